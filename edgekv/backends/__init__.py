@@ -1,0 +1,29 @@
+"""Backends: the same small set of operations, implemented on numpy (the reference), on the
+numba CPU kernels, and on numba.cuda. Models call only these operations, so a model file never
+knows which one runs it.
+
+The operations (x float32, n = tokens in the batch):
+  prepare(tensor) -> handle             a weight, ready for matmul/embed (no dequantized copy on fast backends)
+  fuse([tensors]) -> handle             several weights applied to the same input; matmul returns them concatenated
+  matmul(x (n, k), w) -> (n, m)
+  embed(w, ids (n,)) -> (n, d)
+  rmsnorm(x (..., d), w (d,), eps) -> same shape
+  rope(x (n, heads, hd), pos (n,), base, neox, n_rot, scale) -> x rotated (in place where possible)
+  silu_mul(g, u) / gelu_mul(g, u) -> act(g) * u
+  attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, window) -> (n, H, hd)
+      q attends to the cached tokens of kv and to this batch's own k/v, causally by position.
+"""
+from __future__ import annotations
+
+
+def get_backend(device: str = "cpu", threads: int | None = None):
+    """The backend object for a device name: "cpu", "reference" (numpy oracle) or "cuda"."""
+    from ..errors import DeviceError
+
+    if device == "reference":
+        from .reference import ReferenceBackend
+        return ReferenceBackend()
+    if device == "cpu":
+        from .cpu import CPUBackend
+        return CPUBackend(threads)
+    raise DeviceError(f"unknown device {device!r} (choose cpu or reference)")

@@ -1,0 +1,99 @@
+"""The numpy reference backend: slow and obviously correct, the oracle for every fast kernel.
+
+Weights are dequantized with gguf.quants.dequantize (the format's reference) on first use and
+kept as float32; all math is float32 numpy.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from ..gguf_file import Tensor
+from ..kvcache import LayerKV
+
+
+def dequantize_tensor(t: Tensor) -> np.ndarray:
+    """float32 (rows, cols) of a 2-D weight, or the float32 vector of a 1-D one."""
+    w = dequantize(np.asarray(t.raw), GGMLQuantizationType(t.qtype)).astype(np.float32, copy=False)
+    return w.reshape(t.shape)
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self):
+        self._dense: dict[str, np.ndarray] = {}
+
+    def prepare(self, t: Tensor) -> Tensor:
+        return t
+
+    def fuse(self, ts: list[Tensor]) -> tuple[Tensor, ...]:
+        return tuple(ts)
+
+    def _w(self, t: Tensor) -> np.ndarray:
+        if t.name not in self._dense:
+            self._dense[t.name] = dequantize_tensor(t)
+        return self._dense[t.name]
+
+    def matmul(self, x: np.ndarray, w) -> np.ndarray:
+        if isinstance(w, tuple):
+            return np.concatenate([self.matmul(x, t) for t in w], axis=-1)
+        return (x @ self._w(w).T).astype(np.float32)
+
+    def embed(self, w: Tensor, ids: np.ndarray) -> np.ndarray:
+        rows = w.raw[np.asarray(ids)]  # each embedding row is whole blocks: dequantize just these
+        return dequantize(np.ascontiguousarray(rows), GGMLQuantizationType(w.qtype)).astype(np.float32).reshape(len(ids), -1)
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+        return (x / np.sqrt(ms + eps) * w).astype(np.float32)
+
+    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0) -> np.ndarray:
+        # theta_i = pos * scale * base^(-2i/n_rot); angles in float64 so huge positions stay exact.
+        inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # (n_rot/2,)
+        ang = (pos.astype(np.float64) * scale)[:, None] * inv[None, :]  # (n, n_rot/2)
+        cos = np.cos(ang).astype(np.float32)[:, None, :]
+        sin = np.sin(ang).astype(np.float32)[:, None, :]
+        out = x.copy()
+        if neox:  # pairs (i, i + n_rot/2)
+            a, b = x[..., : n_rot // 2], x[..., n_rot // 2 : n_rot]
+            out[..., : n_rot // 2] = a * cos - b * sin
+            out[..., n_rot // 2 : n_rot] = a * sin + b * cos
+        else:  # adjacent pairs (2i, 2i+1)
+            a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+            out[..., 0:n_rot:2] = a * cos - b * sin
+            out[..., 1:n_rot:2] = a * sin + b * cos
+        return out
+
+    def silu_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+
+    def gelu_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        # GGML's gelu is the tanh approximation
+        c = np.float32(np.sqrt(2.0 / np.pi))
+        return (0.5 * g * (1.0 + np.tanh(c * (g + 0.044715 * g**3))) * u).astype(np.float32)
+
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, window: int) -> np.ndarray:
+        live = kv.pos >= 0
+        keys = np.concatenate([kv.k[live].astype(np.float32), k])  # (T, Hkv, hd)
+        vals = np.concatenate([kv.v[live].astype(np.float32), v])
+        k_pos = np.concatenate([kv.pos[live], q_pos])  # (T,)
+        n, H, hd = q.shape
+        group = H // keys.shape[1]  # query head h reads kv head h // group
+        keys = np.repeat(keys, group, axis=1)  # (T, H, hd)
+        vals = np.repeat(vals, group, axis=1)
+        s = np.einsum("nhd,thd->hnt", q, keys) * np.float32(scale)  # (H, n, T)
+        dist = q_pos[:, None] - k_pos[None, :]  # (n, T)
+        masked = dist < 0
+        if window:
+            masked |= dist >= window
+        s = np.where(masked[None], -np.inf, s)
+        s = s - s.max(axis=-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        return np.einsum("hnt,thd->nhd", p, vals).astype(np.float32)
+
+    def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a += b
+        return a

@@ -1,0 +1,105 @@
+"""`LLM`: a loaded model — file, backend, weights, tokenizer, chat template — and the ways to run it."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .backends import get_backend
+from .errors import ContextError, EdgekvError
+from .gguf_file import GGUFFile
+from .kvcache import KVCache
+
+UBATCH = 512  # prefill chunk: bounds activation memory, and the attention working set
+
+
+class LLM:
+    """A model ready to run. Create with `edgekv.load`."""
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
+                 device: str = "cpu", n_sink: int = 4):
+        from .models import build_model
+        from .tokenizer import Tokenizer
+
+        if n_ctx < 8:
+            raise ContextError(f"n_ctx must be at least 8, got {n_ctx}")
+        if kv not in ("f16",):
+            raise EdgekvError(f"unknown kv cache type {kv!r} (choose f16)")
+        self.path = Path(path)
+        self.file = GGUFFile(path)
+        self.backend = get_backend(device, threads)
+        self.model = build_model(self.file, self.backend)
+        self.cfg = self.model.cfg
+        self.tokenizer = Tokenizer.from_metadata(self.file.meta)
+        self.n_ctx, self.kv_type, self.n_sink = n_ctx, kv, n_sink
+
+    # -- caches ---------------------------------------------------------------------------
+    def new_cache(self) -> KVCache:
+        """An empty KV cache sized for this model and n_ctx (sliding-window layers keep only their window)."""
+        windows = self.cfg.windows()
+        caps = [min(w, self.n_ctx) if w else self.n_ctx for w in windows]
+        return KVCache(caps, self.cfg.n_head_kv, self.cfg.head_dim, n_sink=self.n_sink, windows=windows)
+
+    def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
+        """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise EdgekvError("forward needs a non-empty 1-D list of token ids")
+        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
+            raise EdgekvError(f"token id out of range [0, {self.cfg.n_vocab})")
+        outs = []
+        for s in range(0, len(ids), UBATCH):
+            chunk = ids[s : s + UBATCH]
+            pos = np.arange(start_pos + s, start_pos + s + len(chunk), dtype=np.int64)
+            logits = self.model.forward(chunk, pos, cache, last_only=last_only)
+            if not last_only or s + UBATCH >= len(ids):
+                outs.append(logits)
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    # -- public API -----------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text` (add_bos None: the model's default)."""
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids, special: bool = True) -> str:
+        return self.tokenizer.decode(ids, special=special)
+
+    def logits(self, ids) -> np.ndarray:
+        """float32 (len(ids), n_vocab): the next-token logits after every prefix of ids."""
+        ids = list(ids)
+        if len(ids) > self.n_ctx:
+            raise ContextError(f"{len(ids)} tokens do not fit n_ctx={self.n_ctx}")
+        return self.forward(ids, self.new_cache(), 0, last_only=False)
+
+    def complete(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0) -> str:
+        """Greedy completion of `prompt` (temperature must be 0 until sampling lands)."""
+        if temperature != 0.0:
+            raise EdgekvError("only greedy decoding (temperature=0) is available in complete() for now")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise EdgekvError("empty prompt")
+        if len(ids) + max_tokens > self.n_ctx:
+            raise ContextError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed n_ctx={self.n_ctx}")
+        cache = self.new_cache()
+        logits = self.forward(ids, cache, 0)
+        out, stream = [], self.tokenizer.stream()
+        pos = len(ids)
+        for _ in range(max_tokens):
+            nxt = int(np.argmax(logits[-1]))
+            if nxt in self.tokenizer.eot_ids:
+                break
+            out.append(stream.push(nxt))
+            logits = self.forward([nxt], cache, pos)
+            pos += 1
+        out.append(stream.flush())
+        return "".join(out)
+
+
+def load(model: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
+         device: str = "cpu", progress: bool = True) -> LLM:
+    """Load a known model name (pulled on first use) or a .gguf path."""
+    from .hub import resolve
+
+    return LLM(resolve(model, progress=progress), n_ctx=n_ctx, kv=kv, threads=threads, device=device)

@@ -1,0 +1,154 @@
+"""Gemma 3 decoder: llama-like, plus QK-norm, pre- and post-norms around attention and FFN,
+GeGLU, embeddings scaled by sqrt(n_embd), and 5 sliding-window layers for every global one
+(the local layers rotate with their own RoPE base, 10000). Weights keep their GGUF names; the
+GGUF norm weights already include gemma's "+1".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ModelFileError, UnsupportedModelError
+from ..gguf_file import GGUFFile
+from .llama import check_shapes
+
+SWA_PATTERN = 6  # every 6th layer is global (llama.cpp hard-codes this for gemma3)
+ROPE_BASE_LOCAL = 10000.0  # RoPE base of the sliding-window layers
+
+
+@dataclass(frozen=True)
+class Config:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    norm_eps: float
+    rope_base: float  # global layers
+    rope_scale: float  # global layers' linear position scale (1.0 = none)
+    sliding_window: int  # tokens a local layer sees (0 = no local layers)
+    attn_scale: float  # queries are scaled by this before attention
+    final_softcap: float  # 0 = none
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "Config":
+        a = f.arch
+        n_embd = f.require(f"{a}.embedding_length", int)
+        n_head = f.require(f"{a}.attention.head_count", int)
+        head_dim = f.get(f"{a}.attention.key_length", n_embd // max(n_head, 1), kind=int)
+        if f.get(f"{a}.attention.value_length", head_dim, kind=int) != head_dim:
+            raise UnsupportedModelError("gemma3 with key_length != value_length is not supported")
+        scaling = f.get(f"{a}.rope.scaling.type", "none", kind=str)
+        if scaling not in ("none", "linear"):
+            raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported (none, linear)")
+        factor = float(f.get(f"{a}.rope.scaling.factor", 1.0, kind=(int, float))) if scaling == "linear" else 1.0
+        n_layer = f.require(f"{a}.block_count", int)
+        cfg = cls(
+            arch=a,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=f.get(f"{a}.attention.head_count_kv", n_head, kind=int),
+            head_dim=head_dim,
+            n_ff=f.require(f"{a}.feed_forward_length", int),
+            n_vocab=f.tensor("token_embd.weight").shape[0],
+            n_ctx_train=f.get(f"{a}.context_length", 32768, kind=int),
+            norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6, kind=(int, float))),
+            rope_base=float(f.get(f"{a}.rope.freq_base", 1e6, kind=(int, float))),
+            rope_scale=1.0 / factor,
+            sliding_window=f.get(f"{a}.attention.sliding_window", 0, kind=int),
+            # gemma_pytorch: query_pre_attn_scalar is n_embd/n_head for the 27B (62 layers), head_dim otherwise
+            attn_scale=1.0 / np.sqrt(n_embd / n_head if n_layer == 62 else head_dim),
+            final_softcap=float(f.get(f"{a}.final_logit_softcapping", 0.0, kind=(int, float))),
+        )
+        cfg.validate(f)
+        return cfg
+
+    def validate(self, f: GGUFFile) -> None:
+        if min(self.n_layer, self.n_embd, self.n_head, self.n_head_kv, self.head_dim, self.n_ff) <= 0:
+            raise ModelFileError(f"gemma3: non-positive size in metadata: {self}")
+        if self.n_head % self.n_head_kv or self.head_dim % 2:
+            raise ModelFileError(f"gemma3: {self.n_head} heads / {self.n_head_kv} kv heads / head size {self.head_dim} do not fit")
+        if self.n_layer > 1024 or self.sliding_window < 0:
+            raise ModelFileError(f"gemma3: implausible block_count {self.n_layer} or sliding_window {self.sliding_window}")
+        qd, kvd, e = self.n_head * self.head_dim, self.n_head_kv * self.head_dim, self.n_embd
+        expect = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,)}
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            for nm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+                expect[p + nm + ".weight"] = (e,)
+            expect.update({
+                p + "attn_q_norm.weight": (self.head_dim,), p + "attn_k_norm.weight": (self.head_dim,),
+                p + "attn_q.weight": (qd, e), p + "attn_k.weight": (kvd, e), p + "attn_v.weight": (kvd, e),
+                p + "attn_output.weight": (e, qd), p + "ffn_gate.weight": (self.n_ff, e),
+                p + "ffn_up.weight": (self.n_ff, e), p + "ffn_down.weight": (e, self.n_ff),
+            })
+        check_shapes(f, expect)
+
+    def windows(self) -> list[int]:
+        """Sliding window per layer (0 = global)."""
+        if not self.sliding_window:
+            return [0] * self.n_layer
+        return [self.sliding_window if i % SWA_PATTERN < SWA_PATTERN - 1 else 0 for i in range(self.n_layer)]
+
+
+class Model:
+    def __init__(self, f: GGUFFile, be):
+        self.cfg = cfg = Config.from_gguf(f)
+        self.be = be
+        norm = lambda name: f.tensor(name).as_float().astype(np.float32)  # noqa: E731 (small vectors)
+        self.token_embd = be.prepare(f.tensor("token_embd.weight"))
+        self.output = be.prepare(f.tensor("output.weight")) if "output.weight" in f.tensors else self.token_embd
+        self.output_norm = norm("output_norm.weight")
+        self.layers = []
+        for i, window in enumerate(cfg.windows()):
+            p = f"blk.{i}."
+            self.layers.append(dict(
+                window=window,
+                rope_base=ROPE_BASE_LOCAL if window else cfg.rope_base,
+                rope_scale=1.0 if window else cfg.rope_scale,
+                attn_norm=norm(p + "attn_norm.weight"),
+                attn_qkv=be.fuse([f.tensor(p + f"attn_{x}.weight") for x in "qkv"]),
+                attn_q_norm=norm(p + "attn_q_norm.weight"),
+                attn_k_norm=norm(p + "attn_k_norm.weight"),
+                attn_output=be.prepare(f.tensor(p + "attn_output.weight")),
+                post_attention_norm=norm(p + "post_attention_norm.weight"),
+                ffn_norm=norm(p + "ffn_norm.weight"),
+                ffn_gate_up=be.fuse([f.tensor(p + "ffn_gate.weight"), f.tensor(p + "ffn_up.weight")]),
+                ffn_down=be.prepare(f.tensor(p + "ffn_down.weight")),
+                post_ffw_norm=norm(p + "post_ffw_norm.weight"),
+            ))
+
+    def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
+        """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; writes this batch's k/v to `cache`."""
+        cfg, be = self.cfg, self.be
+        n, hd, qd, kvd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        x = be.embed(self.token_embd, ids)  # (n, n_embd)
+        x *= np.float32(np.sqrt(cfg.n_embd))
+        for i, L in enumerate(self.layers):
+            h = be.rmsnorm(x, L["attn_norm"], cfg.norm_eps)
+            qkv = be.matmul(h, L["attn_qkv"])  # (n, qd + 2 kvd)
+            q = be.rmsnorm(qkv[:, :qd].reshape(n, cfg.n_head, hd), L["attn_q_norm"], cfg.norm_eps)
+            k = be.rmsnorm(qkv[:, qd : qd + kvd].reshape(n, cfg.n_head_kv, hd), L["attn_k_norm"], cfg.norm_eps)
+            v = np.ascontiguousarray(qkv[:, qd + kvd :]).reshape(n, cfg.n_head_kv, hd)
+            q = be.rope(q, pos, L["rope_base"], True, hd, L["rope_scale"])
+            k = be.rope(k, pos, L["rope_base"], True, hd, L["rope_scale"])
+            a = be.attention(q, pos, cache[i], k, v, cfg.attn_scale, L["window"])  # (n, n_head, hd)
+            cache[i].write(k, v, pos)
+            a = be.rmsnorm(be.matmul(a.reshape(n, qd), L["attn_output"]), L["post_attention_norm"], cfg.norm_eps)
+            x = be.add_(x, a)
+            h = be.rmsnorm(x, L["ffn_norm"], cfg.norm_eps)
+            gu = be.matmul(h, L["ffn_gate_up"])  # (n, 2 n_ff)
+            h = be.matmul(be.gelu_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]), L["ffn_down"])
+            x = be.add_(x, be.rmsnorm(h, L["post_ffw_norm"], cfg.norm_eps))
+        if last_only:
+            x = x[-1:]
+        logits = be.matmul(be.rmsnorm(x, self.output_norm, cfg.norm_eps), self.output)
+        if cfg.final_softcap:
+            logits = np.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits

@@ -1,0 +1,152 @@
+"""Llama-family decoder (llama, mistral, smollm, qwen2): RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Weights keep their GGUF names; qwen2 adds biases on q/k/v and rotates in NeoX order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ModelFileError, UnsupportedModelError
+from ..gguf_file import GGUFFile
+
+NEOX_ARCHS = {"qwen2"}  # llama.cpp's LLAMA_ROPE_TYPE_NEOX for these; NORM (adjacent pairs) otherwise
+
+
+@dataclass(frozen=True)
+class Config:
+    arch: str
+    n_layer: int  # transformer blocks
+    n_embd: int  # residual width
+    n_head: int  # query heads
+    n_head_kv: int  # key/value heads (GQA: n_head is a multiple)
+    head_dim: int  # per-head width
+    n_ff: int  # FFN hidden width
+    n_vocab: int
+    n_ctx_train: int  # context the model was trained for
+    norm_eps: float
+    rope_base: float
+    rope_dim: int  # leading dims of a head that rotate
+    rope_neox: bool  # pairs (i, i+d/2) instead of (2i, 2i+1)
+    rope_scale: float  # linear position scaling (1.0 = none)
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "Config":
+        a = f.arch
+        n_embd = f.require(f"{a}.embedding_length", int)
+        n_head = f.require(f"{a}.attention.head_count", int)
+        n_head_kv = f.get(f"{a}.attention.head_count_kv", n_head, kind=int)
+        head_dim = f.get(f"{a}.attention.key_length", n_embd // max(n_head, 1), kind=int)
+        scaling = f.get(f"{a}.rope.scaling.type", "none", kind=str)
+        if scaling not in ("none", "linear"):
+            raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported (none, linear)")
+        factor = float(f.get(f"{a}.rope.scaling.factor", 1.0, kind=(int, float))) if scaling == "linear" else 1.0
+        if "rope_freqs.weight" in f.tensors:
+            raise UnsupportedModelError("per-dimension RoPE frequency factors (rope_freqs.weight, llama 3.1 style) are not supported")
+        tok = f.tensor("token_embd.weight")
+        cfg = cls(
+            arch=a,
+            n_layer=f.require(f"{a}.block_count", int),
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_ff=f.require(f"{a}.feed_forward_length", int),
+            n_vocab=tok.shape[0],
+            n_ctx_train=f.get(f"{a}.context_length", 4096, kind=int),
+            norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5, kind=(int, float))),
+            rope_base=float(f.get(f"{a}.rope.freq_base", 10000.0, kind=(int, float))),
+            rope_dim=f.get(f"{a}.rope.dimension_count", head_dim, kind=int),
+            rope_neox=a in NEOX_ARCHS,
+            rope_scale=1.0 / factor,
+        )
+        cfg.validate(f)
+        return cfg
+
+    def validate(self, f: GGUFFile) -> None:
+        if min(self.n_layer, self.n_embd, self.n_head, self.n_head_kv, self.head_dim, self.n_ff) <= 0:
+            raise ModelFileError(f"{self.arch}: non-positive size in metadata: {self}")
+        if self.n_head % self.n_head_kv:
+            raise ModelFileError(f"{self.arch}: head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+            raise ModelFileError(f"{self.arch}: rope.dimension_count {self.rope_dim} does not fit head size {self.head_dim}")
+        if self.n_layer > 1024:
+            raise ModelFileError(f"{self.arch}: block_count {self.n_layer} is not plausible")
+        qd, kvd = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        expect = {"token_embd.weight": (self.n_vocab, self.n_embd), "output_norm.weight": (self.n_embd,)}
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            expect.update({
+                p + "attn_norm.weight": (self.n_embd,), p + "ffn_norm.weight": (self.n_embd,),
+                p + "attn_q.weight": (qd, self.n_embd), p + "attn_k.weight": (kvd, self.n_embd),
+                p + "attn_v.weight": (kvd, self.n_embd), p + "attn_output.weight": (self.n_embd, qd),
+                p + "ffn_gate.weight": (self.n_ff, self.n_embd), p + "ffn_up.weight": (self.n_ff, self.n_embd),
+                p + "ffn_down.weight": (self.n_embd, self.n_ff),
+            })
+        if "output.weight" in f.tensors:
+            expect["output.weight"] = (self.n_vocab, self.n_embd)
+        check_shapes(f, expect)
+
+    def windows(self) -> list[int]:
+        """Sliding window per layer (0 = attends to everything)."""
+        return [0] * self.n_layer
+
+
+def check_shapes(f: GGUFFile, expect: dict) -> None:
+    for name, shape in expect.items():
+        t = f.tensor(name)
+        if t.shape != tuple(shape):
+            raise ModelFileError(f"tensor {name} has shape {t.shape}, expected {tuple(shape)}")
+    for name in f.tensors:
+        if name.endswith(".bias") and f.tensors[name].qtype not in (0, 1):
+            raise ModelFileError(f"bias {name} must be F32 or F16")
+
+
+class Model:
+    def __init__(self, f: GGUFFile, be):
+        self.cfg = cfg = Config.from_gguf(f)
+        self.be = be
+        norm = lambda name: f.tensor(name).as_float().astype(np.float32)  # noqa: E731 (small vectors)
+        opt = lambda name: norm(name) if name in f.tensors else None  # noqa: E731
+        self.token_embd = be.prepare(f.tensor("token_embd.weight"))
+        self.output = be.prepare(f.tensor("output.weight")) if "output.weight" in f.tensors else self.token_embd
+        self.output_norm = norm("output_norm.weight")
+        self.layers = []
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            bias = [opt(p + f"attn_{x}.bias") for x in "qkv"]
+            self.layers.append(dict(
+                attn_norm=norm(p + "attn_norm.weight"),
+                attn_qkv=be.fuse([f.tensor(p + f"attn_{x}.weight") for x in "qkv"]),
+                qkv_bias=np.concatenate(bias) if all(b is not None for b in bias) else None,
+                attn_output=be.prepare(f.tensor(p + "attn_output.weight")),
+                ffn_norm=norm(p + "ffn_norm.weight"),
+                ffn_gate_up=be.fuse([f.tensor(p + "ffn_gate.weight"), f.tensor(p + "ffn_up.weight")]),
+                ffn_down=be.prepare(f.tensor(p + "ffn_down.weight")),
+            ))
+
+    def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
+        """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; writes this batch's k/v to `cache`."""
+        cfg, be = self.cfg, self.be
+        n, hd, qd, kvd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        x = be.embed(self.token_embd, ids)  # (n, n_embd)
+        for i, L in enumerate(self.layers):
+            h = be.rmsnorm(x, L["attn_norm"], cfg.norm_eps)
+            qkv = be.matmul(h, L["attn_qkv"])  # (n, qd + 2 kvd)
+            if L["qkv_bias"] is not None:
+                qkv += L["qkv_bias"]
+            q = qkv[:, :qd].reshape(n, cfg.n_head, hd)
+            k = qkv[:, qd : qd + kvd].reshape(n, cfg.n_head_kv, hd)
+            v = qkv[:, qd + kvd :].reshape(n, cfg.n_head_kv, hd)
+            q = be.rope(q, pos, cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
+            k = be.rope(k, pos, cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
+            a = be.attention(q, pos, cache[i], k, v, 1.0 / np.sqrt(hd), 0)  # (n, n_head, hd)
+            cache[i].write(k, v, pos)
+            x = be.add_(x, be.matmul(a.reshape(n, qd), L["attn_output"]))
+            h = be.rmsnorm(x, L["ffn_norm"], cfg.norm_eps)
+            gu = be.matmul(h, L["ffn_gate_up"])  # (n, 2 n_ff)
+            x = be.add_(x, be.matmul(be.silu_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]), L["ffn_down"]))
+        if last_only:
+            x = x[-1:]
+        return be.matmul(be.rmsnorm(x, self.output_norm, cfg.norm_eps), self.output)
