@@ -13,6 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Bytes per cached value, scales included: f16 is the baseline; int8 and int4 store groups of
+# 32 values with one f16 scale each (34 and 18 bytes per group).
+KV_BYTES_PER_VALUE = {"f16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
+
+
+def kv_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) -> int:
+    """Bytes a cache of this kind holds when every layer's ring is full (K and V)."""
+    return int(sum(capacities) * 2 * n_head_kv * head_dim * KV_BYTES_PER_VALUE[kind])
+
 
 @dataclass
 class LayerKV:
@@ -51,6 +60,15 @@ class LayerKV:
         self.pos[:] = -1
         self.n_written = 0
 
+    def trim(self, n: int) -> bool:
+        """Forget every token at position >= n. False (and nothing changed) when the ring has
+        wrapped: the tokens those overwrote are gone, so the caller must prefill again."""
+        if self.n_written > self.capacity:
+            return False
+        self.pos[self.pos >= n] = -1
+        self.n_written = min(self.n_written, n)
+        return True
+
 
 class KVCache:
     """All layers' rings. `capacities[l]` is layer l's ring size."""
@@ -72,6 +90,14 @@ class KVCache:
     def reset(self) -> None:
         for lk in self.layers:
             lk.reset()
+
+    def trim(self, n: int) -> bool:
+        """Roll back to the first n positions; False if some layer cannot (see LayerKV.trim)."""
+        if any(lk.n_written > lk.capacity for lk in self.layers):
+            return False
+        for lk in self.layers:
+            lk.trim(n)
+        return True
 
     @property
     def nbytes(self) -> int:

@@ -4,11 +4,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from .backends import get_backend
 from .errors import ContextError, EdgekvError
+from .generate import Event
 from .gguf_file import GGUFFile
 from .kvcache import KVCache
 
@@ -34,6 +36,7 @@ class LLM:
         self.cfg = self.model.cfg
         self.tokenizer = Tokenizer.from_metadata(self.file.meta)
         self.n_ctx, self.kv_type, self.n_sink = n_ctx, kv, n_sink
+        self.stats = None  # generate.Stats of the last call
 
     # -- caches ---------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -73,28 +76,35 @@ class LLM:
             raise ContextError(f"{len(ids)} tokens do not fit n_ctx={self.n_ctx}")
         return self.forward(ids, self.new_cache(), 0, last_only=False)
 
-    def complete(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0) -> str:
-        """Greedy completion of `prompt` (temperature must be 0 until sampling lands)."""
-        if temperature != 0.0:
-            raise EdgekvError("only greedy decoding (temperature=0) is available in complete() for now")
-        ids = self.tokenize(prompt)
+    def sampling(self, **kw) -> "SamplingParams":
+        from .sampling import SamplingParams
+
+        params = SamplingParams(**kw)
+        params.validate()
+        return params
+
+    def generate(self, prompt: str | list[int], *, max_tokens: int = 256, stop: list[str] | tuple = (),
+                 cancel=None, add_bos: bool | None = None, **sampling) -> Iterator[Event]:
+        """Stream a continuation of `prompt` (text, or token ids) as Events; the last event has
+        `finish_reason` ("stop", "length" or "cancelled"). Sampling keywords: temperature,
+        top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
+        penalty_last_n, logit_bias, seed (see edgekv.sampling.SamplingParams)."""
+        from .generate import Sequence, Stats, generate
+        from .sampling import Sampler
+
+        params = self.sampling(**sampling)
+        ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_bos=add_bos)
         if not ids:
-            raise EdgekvError("empty prompt")
-        if len(ids) + max_tokens > self.n_ctx:
-            raise ContextError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed n_ctx={self.n_ctx}")
-        cache = self.new_cache()
-        logits = self.forward(ids, cache, 0)
-        out, stream = [], self.tokenizer.stream()
-        pos = len(ids)
-        for _ in range(max_tokens):
-            nxt = int(np.argmax(logits[-1]))
-            if nxt in self.tokenizer.eot_ids:
-                break
-            out.append(stream.push(nxt))
-            logits = self.forward([nxt], cache, pos)
-            pos += 1
-        out.append(stream.flush())
-        return "".join(out)
+            raise EdgekvError("empty prompt: nothing to continue from")
+        if max_tokens < 0:
+            raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.stats = Stats()
+        yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
+                            stop=stop, cancel=cancel, stats=self.stats)
+
+    def complete(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, **kw) -> str:
+        """The whole continuation of `prompt` as one string (greedy by default)."""
+        return "".join(e.text for e in self.generate(prompt, max_tokens=max_tokens, temperature=temperature, **kw))
 
 
 def load(model: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,

@@ -125,7 +125,7 @@ class Model:
             ))
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
-        """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; writes this batch's k/v to `cache`."""
+        """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
         cfg, be = self.cfg, self.be
         n, hd, qd, kvd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         x = be.embed(self.token_embd, ids)  # (n, n_embd)
@@ -139,7 +139,6 @@ class Model:
             q = be.rope(q, pos, L["rope_base"], True, hd, L["rope_scale"])
             k = be.rope(k, pos, L["rope_base"], True, hd, L["rope_scale"])
             a = be.attention(q, pos, cache[i], k, v, cfg.attn_scale, L["window"])  # (n, n_head, hd)
-            cache[i].write(k, v, pos)
             a = be.rmsnorm(be.matmul(a.reshape(n, qd), L["attn_output"]), L["post_attention_norm"], cfg.norm_eps)
             x = be.add_(x, a)
             h = be.rmsnorm(x, L["ffn_norm"], cfg.norm_eps)

@@ -127,7 +127,7 @@ class Model:
             ))
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
-        """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; writes this batch's k/v to `cache`."""
+        """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
         cfg, be = self.cfg, self.be
         n, hd, qd, kvd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         x = be.embed(self.token_embd, ids)  # (n, n_embd)
@@ -142,7 +142,6 @@ class Model:
             q = be.rope(q, pos, cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
             k = be.rope(k, pos, cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
             a = be.attention(q, pos, cache[i], k, v, 1.0 / np.sqrt(hd), 0)  # (n, n_head, hd)
-            cache[i].write(k, v, pos)
             x = be.add_(x, be.matmul(a.reshape(n, qd), L["attn_output"]))
             h = be.rmsnorm(x, L["ffn_norm"], cfg.norm_eps)
             gu = be.matmul(h, L["ffn_gate_up"])  # (n, 2 n_ff)

@@ -11,7 +11,8 @@ The operations (x float32, n = tokens in the batch):
   rope(x (n, heads, hd), pos (n,), base, neox, n_rot, scale) -> x rotated (in place where possible)
   silu_mul(g, u) / gelu_mul(g, u) -> act(g) * u
   attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, window) -> (n, H, hd)
-      q attends to the cached tokens of kv and to this batch's own k/v, causally by position.
+      q attends to the cached tokens of kv and to this batch's own k/v, causally by position;
+      then the batch's k/v are stored in kv (a backend may store first when nothing needed is evicted).
 """
 from __future__ import annotations
 

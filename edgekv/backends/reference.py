@@ -92,7 +92,9 @@ class ReferenceBackend:
         s = s - s.max(axis=-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
-        return np.einsum("hnt,thd->nhd", p, vals).astype(np.float32)
+        out = np.einsum("hnt,thd->nhd", p, vals).astype(np.float32)
+        kv.write(k, v, q_pos)
+        return out
 
     def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         a += b

@@ -1,0 +1,129 @@
+"""The CPU backend: the numba kernels of kernels_cpu/ behind the backend interface.
+
+Weights stay as raw GGUF blocks in the memory map; the only copies made are the fused
+QKV and gate+up matrices (same-type rows stacked so one parallel region computes them all).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..gguf_file import Tensor
+from ..kvcache import LayerKV
+
+
+def physical_cores() -> int:
+    """Cores, not hyper-threads: matvecs are memory-bound and a second thread per core only adds contention."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    seen = set()
+    for c in cpus:
+        p = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+        try:
+            seen.add(p.read_text().strip())
+        except OSError:
+            seen.add(str(c))
+    return max(1, len(seen))
+
+
+def _init_numba(threads: int | None) -> int:
+    import numba
+
+    # workqueue (numba's fallback) is not safe when several Python threads call parallel
+    # kernels at once (sessions generating side by side); OpenMP and TBB are.
+    if numba.config.THREADING_LAYER == "default":
+        try:
+            from numba.np.ufunc import omppool  # noqa: F401
+            numba.config.THREADING_LAYER = "omp"
+        except ImportError:
+            try:
+                from numba.np.ufunc import tbbpool  # noqa: F401
+                numba.config.THREADING_LAYER = "tbb"
+            except ImportError:
+                pass
+    n = max(1, min(threads or physical_cores(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+@dataclass(frozen=True)
+class Weight:
+    raw: np.ndarray  # uint8 (n_out, row_bytes), GGUF blocks
+    qtype: int
+    n_out: int
+    n_in: int
+
+
+class CPUBackend:
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        from ..kernels_cpu import ops, qmatmul
+
+        self.threads = _init_numba(threads)
+        self.ops, self.qm = ops, qmatmul
+
+    # -- weights ---------------------------------------------------------------------
+    def prepare(self, t: Tensor) -> Weight:
+        return Weight(t.raw, t.qtype, t.shape[0], t.shape[-1])
+
+    def fuse(self, ts: list[Tensor]) -> tuple[Weight, ...]:
+        """Stack runs of same-type matrices; returns the parts in order (usually one)."""
+        parts: list[list[Tensor]] = []
+        for t in ts:
+            if parts and parts[-1][-1].qtype == t.qtype and parts[-1][-1].shape[-1] == t.shape[-1]:
+                parts[-1].append(t)
+            else:
+                parts.append([t])
+        out = []
+        for group in parts:
+            raw = group[0].raw if len(group) == 1 else np.concatenate([t.raw for t in group])
+            out.append(Weight(raw, group[0].qtype, raw.shape[0], group[0].shape[-1]))
+        return tuple(out)
+
+    # -- ops -------------------------------------------------------------------------
+    def matmul(self, x: np.ndarray, w) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if isinstance(w, Weight):
+            return self.qm.qmatmul(x, w.raw, w.qtype)
+        if len(w) == 1:
+            return self.qm.qmatmul(x, w[0].raw, w[0].qtype)
+        return np.concatenate([self.qm.qmatmul(x, p.raw, p.qtype) for p in w], axis=-1)
+
+    def embed(self, w: Weight, ids: np.ndarray) -> np.ndarray:
+        out = np.empty((len(ids), w.n_in), np.float32)
+        return self.qm.dequantize_rows(w.raw, w.qtype, np.asarray(ids, dtype=np.int64), out)
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        return self.ops.rmsnorm(np.ascontiguousarray(x), w, eps)
+
+    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0) -> np.ndarray:
+        return self.ops.rope(np.ascontiguousarray(x), pos, base, neox, n_rot, scale)
+
+    def silu_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        return self.ops.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u))
+
+    def gelu_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        return self.ops.gelu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u))
+
+    def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self.ops.add_(a, np.ascontiguousarray(b))
+
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, window: int) -> np.ndarray:
+        q = np.ascontiguousarray(q)
+        n = q_pos.shape[0]
+        live = int(min(kv.n_written, kv.capacity))
+        if live + n <= kv.capacity or (n == 1 and window and kv.capacity >= window):
+            # Nothing this batch needs gets evicted (a one-token step on a window-sized ring only
+            # evicts the key that just left the window): store first, then attend in place.
+            kv.write(k, v, q_pos)
+            return self.ops.attention(q, kv.k, kv.v, q_pos, kv.pos, scale, window)
+        # The ring wraps inside this batch: attend over (cache, batch) explicitly, then store.
+        keep = kv.pos >= 0
+        kk = np.concatenate([kv.k[keep], k.astype(np.float16)])
+        vv = np.concatenate([kv.v[keep], v.astype(np.float16)])
+        out = self.ops.attention(q, kk, vv, q_pos, np.concatenate([kv.pos[keep], q_pos]), scale, window)
+        kv.write(k, v, q_pos)
+        return out

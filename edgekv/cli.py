@@ -1,0 +1,150 @@
+"""The `edgekv` command. Each verb is a small function; errors reach the user as one line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from . import __version__
+from .errors import EdgekvError
+
+
+def cmd_pull(args) -> int:
+    from .hub import pull
+
+    for name in args.models:
+        path = pull(name, progress=not args.quiet, force=args.force)
+        print(path)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from .hub import list_models
+
+    rows = list_models()
+    print(f"{'name':<26} {'cached':<7} {'size':>9}  path / description")
+    for r in rows:
+        size = f"{r['size'] / 1e6:.0f} MB" if r.get("size") else ""
+        where = r.get("path") if r.get("cached") else r.get("description", "")
+        print(f"{r['name']:<26} {'yes' if r.get('cached') else 'no':<7} {size:>9}  {where}")
+    return 0
+
+
+def describe(path, n_ctx: int) -> list[tuple[str, str]]:
+    """The facts `edgekv info` prints, as (label, value) rows."""
+    from .gguf_file import GGUFFile
+    from .kvcache import KV_BYTES_PER_VALUE, kv_bytes
+    from .models import model_module
+    from .tokenizer import Tokenizer
+
+    f = GGUFFile(path)
+    cfg = model_module(f.arch).Config.from_gguf(f)
+    tok = Tokenizer.from_metadata(f.meta)
+    n_params = sum(t.n_elements for t in f.tensors.values())
+    types = Counter()
+    nbytes = Counter()
+    for t in f.tensors.values():
+        types[t.type_name] += 1
+        nbytes[t.type_name] += t.nbytes
+    hist = ", ".join(f"{k} x{types[k]} ({nbytes[k] / 1e6:.1f} MB)" for k in sorted(types, key=lambda k: -nbytes[k]))
+    special = []
+    for label, tid in (("bos", tok.bos_id), ("eos", tok.eos_id)):
+        if tid is not None:
+            special.append(f"{label}={tid} {tok.token_text(tid)!r}")
+    eot = sorted(tok.eot_ids)
+    special.append("end of turn: " + ", ".join(f"{i} {tok.token_text(i)!r}" for i in eot[:6]) + (" ..." if len(eot) > 6 else ""))
+    windows = cfg.windows()
+    rows = [
+        ("file", str(f.path)),
+        ("architecture", f.arch + (f" ({f.meta['general.name']})" if isinstance(f.meta.get("general.name"), str) else "")),
+        ("parameters", f"{n_params / 1e6:.1f} M ({f.size / 1e6:.1f} MB file)"),
+        ("tensor types", hist),
+        ("layers / width", f"{cfg.n_layer} x {cfg.n_embd}, ffn {cfg.n_ff}"),
+        ("heads", f"{cfg.n_head} query, {cfg.n_head_kv} kv, head size {cfg.head_dim}"),
+        ("context length", f"{cfg.n_ctx_train} (trained)"),
+        ("vocab", f"{cfg.n_vocab} ({f.meta.get('tokenizer.ggml.model')}, pre {f.meta.get('tokenizer.ggml.pre', '-')})"),
+        ("special tokens", "; ".join(special)),
+        ("chat template", "yes (from the file)" if isinstance(f.meta.get("tokenizer.chat_template"), str) else "no (edgekv's built-in fallback)"),
+    ]
+    if any(windows):
+        rows.append(("sliding window", f"{sum(1 for w in windows if w)} of {cfg.n_layer} layers see the last {max(windows)} tokens"))
+    per_tok = {k: kv_bytes(k, [1] * cfg.n_layer, cfg.n_head_kv, cfg.head_dim) for k in KV_BYTES_PER_VALUE}
+    rows.append(("KV bytes / token", ", ".join(f"{k} {v:,}" for k, v in per_tok.items()) + " (all layers, K+V)"))
+    caps = [min(w, n_ctx) if w else n_ctx for w in windows]
+    full = [n_ctx] * cfg.n_layer
+    for k in KV_BYTES_PER_VALUE:
+        b = kv_bytes(k, caps, cfg.n_head_kv, cfg.head_dim)
+        saved = kv_bytes(k, full, cfg.n_head_kv, cfg.head_dim) - b
+        note = f" (sliding-window rings save {saved / 2**20:.1f} MiB)" if saved else ""
+        rows.append((f"KV cache @ {n_ctx}", f"{k}: {b / 2**20:.1f} MiB{note}"))
+    return rows
+
+
+def cmd_info(args) -> int:
+    from .hub import resolve
+
+    rows = describe(resolve(args.model, progress=not args.quiet), args.ctx)
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .llm import load
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = load(args.model, n_ctx=args.ctx, threads=args.threads, device=args.device, progress=not args.quiet)
+    print(llm.complete(prompt, max_tokens=args.max_tokens), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgekv", description="Quantized GGUF LLM inference with an INT8/INT4 ring-buffer KV cache.")
+    p.add_argument("--version", action="version", version=f"edgekv {__version__}")
+    sub = p.add_subparsers(dest="verb", metavar="COMMAND")
+
+    s = sub.add_parser("pull", help="download a known model into the cache")
+    s.add_argument("models", nargs="+", metavar="MODEL")
+    s.add_argument("--force", action="store_true", help="fetch again even if cached")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_pull)
+
+    s = sub.add_parser("list", help="known and cached models")
+    s.set_defaults(func=cmd_list)
+
+    s = sub.add_parser("info", help="what is in a model file")
+    s.add_argument("model", metavar="MODEL", help="known name or .gguf path")
+    s.add_argument("--ctx", type=int, default=4096, help="context size for the KV-cache figures")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("run", help="one-shot completion")
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("prompt", metavar="PROMPT", help="text, or - to read stdin")
+    s.add_argument("-n", "--max-tokens", type=int, default=128)
+    s.add_argument("--ctx", type=int, default=4096)
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not getattr(args, "func", None):
+        build_parser().print_help()
+        return 2
+    try:
+        return args.func(args)
+    except EdgekvError as e:
+        print(f"edgekv: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nedgekv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

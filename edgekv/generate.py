@@ -1,0 +1,156 @@
+"""Generation: a Sequence (a KV cache and the tokens in it), prefill, decode one token, and
+the `generate` iterator of events that the API, the chat and the bench share."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence as Seq
+
+import numpy as np
+
+from .errors import EdgekvError
+from .sampling import Sampler
+
+
+@dataclass
+class Event:
+    """One step of generation: the text it adds (may be "" while a UTF-8 sequence or a
+    possible stop string is held back), the token, and on the last event why it ended."""
+
+    text: str
+    token: int | None
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "cancelled"
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0  # tokens of this call's input
+    prefill_tokens: int = 0  # of those, the ones actually computed (the rest were cached)
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(prompt_tokens=self.prompt_tokens, prefill_tokens=self.prefill_tokens,
+                    generated_tokens=self.generated_tokens, prefill_s=round(self.prefill_s, 4),
+                    decode_s=round(self.decode_s, 4), prefill_tokens_per_s=round(self.prefill_tps, 2),
+                    decode_tokens_per_s=round(self.decode_tps, 2))
+
+
+class Sequence:
+    """A KV cache and the token ids it holds, in order. Positions are indices into `tokens`."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.cache = llm.new_cache()
+        self.tokens: list[int] = []
+
+    def feed(self, ids: Seq[int]) -> np.ndarray:
+        """Append ids, run them through the model; the logits (n_vocab,) after the last one."""
+        logits = self.llm.forward(ids, self.cache, len(self.tokens))
+        self.tokens.extend(int(i) for i in ids)
+        return logits[-1]
+
+    def reuse(self, ids: Seq[int]) -> int:
+        """Keep the longest cached prefix shared with ids (rolling the cache back if needed).
+        Returns how many leading ids are already cached."""
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        n = min(n, len(ids) - 1)  # the last id must run again: its logits are what we need
+        if n < len(self.tokens) and not self.cache.trim(n):
+            self.reset()  # the ring has already dropped tokens the prefix needs
+            return 0
+        del self.tokens[n:]
+        return n
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.tokens = []
+
+
+class StopMatcher:
+    """Holds back text that could still become a stop string."""
+
+    def __init__(self, stops: Seq[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        hold = 0
+        for s in self.stops:  # longest suffix of pending that is a prefix of a stop string
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_tokens: int,
+             stop: Seq[str] = (), cancel: threading.Event | None = None, stats: Stats | None = None,
+             ) -> Iterator[Event]:
+    """Prefill prompt_ids (reusing whatever prefix seq already holds), then sample up to
+    max_tokens, yielding an Event per token; the last event carries finish_reason."""
+    if not prompt_ids:
+        raise EdgekvError("empty prompt: nothing to continue from")
+    stats = stats if stats is not None else Stats()
+    stats.prompt_tokens = len(prompt_ids)
+    t0 = time.perf_counter()
+    cached = seq.reuse(prompt_ids)
+    logits = seq.feed(prompt_ids[cached:])
+    stats.prefill_tokens = len(prompt_ids) - cached
+    stats.prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    detok = llm.tokenizer.stream()
+    stopper = StopMatcher(stop)
+    eog = llm.tokenizer.eot_ids
+    reason, hit = "length", False
+    try:
+        for _ in range(max_tokens):
+            if cancel is not None and cancel.is_set():
+                reason = "cancelled"
+                break
+            tok = sampler(logits, seq.tokens)
+            if tok in eog:
+                reason = "stop"
+                break
+            text, hit = stopper.push(detok.push(tok))
+            stats.generated_tokens += 1
+            if hit:
+                yield Event(text, tok)
+                reason = "stop"
+                break
+            logits = seq.feed([tok])
+            yield Event(text, tok)
+    finally:
+        stats.decode_s = time.perf_counter() - t0
+    tail = ""
+    if not hit:  # release what was held back: an incomplete stop string, trailing bytes
+        tail, hit = stopper.push(detok.flush())
+        if not hit:
+            tail += stopper.flush()
+    yield Event(tail, None, reason)

@@ -1,0 +1,75 @@
+"""Shared fixtures: the two real models (pulled on first use, like `edgekv pull`) and
+llama.cpp's recorded outputs."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+
+
+@lru_cache(maxsize=None)
+def model_path(key: str) -> Path:
+    """Path of a real model by short key; pulls it into the cache on first use."""
+    from edgekv.hub import resolve
+
+    return resolve(MODELS[key], progress=False)
+
+
+@lru_cache(maxsize=None)
+def llamacpp_fixture(key: str) -> dict:
+    return json.loads((FIXTURES / f"llamacpp_{key}.json").read_text())
+
+
+@lru_cache(maxsize=None)
+def open_model(key: str, device: str):
+    """(GGUFFile, Model) for a real model on a backend, shared across tests."""
+    from edgekv.backends import get_backend
+    from edgekv.gguf_file import GGUFFile
+    from edgekv.models import build_model
+
+    f = GGUFFile(model_path(key))
+    return f, build_model(f, get_backend(device))
+
+
+def teacher_forced_logits(model, ids: list[int], n_ctx: int = 4096) -> np.ndarray:
+    """Logits after every prefix of ids, prefilled in chunks of 512 like llama.cpp's batches."""
+    from edgekv.kvcache import KVCache
+
+    cfg = model.cfg
+    windows = cfg.windows()
+    cache = KVCache([w if w else n_ctx for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows)
+    outs = []
+    for s in range(0, len(ids), 512):
+        chunk = np.asarray(ids[s : s + 512], dtype=np.int64)
+        outs.append(model.forward(chunk, np.arange(s, s + len(chunk), dtype=np.int64), cache, last_only=False))
+    return np.concatenate(outs)
+
+
+def agreement(model, fixture: dict) -> tuple[float, float]:
+    """(top-1 agreement, mean KL over llama.cpp's top-20) teacher-forced along llama.cpp's
+    greedy continuations. KL(p || q) with p = llama.cpp's top-20 renormalised and q = ours
+    restricted to the same ids and renormalised."""
+    tops, kls = [], []
+    for P in fixture["prompts"]:
+        ids = P["prompt_ids"] + P["continuation"][:-1]
+        lg = teacher_forced_logits(model, ids)[len(P["prompt_ids"]) - 1 :].astype(np.float64)
+        for j, row in enumerate(lg):
+            tid = np.array(P["top_ids"][j])
+            p = np.exp(np.array(P["top_logprobs"][j]))
+            p /= p.sum()
+            q = np.exp(row[tid] - row.max())
+            q /= q.sum()
+            kls.append(float(np.sum(p * (np.log(p) - np.log(q)))))
+            tops.append(int(np.argmax(row)) == tid[0])
+    return float(np.mean(tops)), float(np.mean(kls))
+
+
+@pytest.fixture(params=sorted(MODELS))
+def model_key(request) -> str:
+    return request.param
