@@ -99,6 +99,113 @@ def cmd_run(args) -> int:
     return 0
 
 
+HELP = """commands:
+  /help            this text
+  /reset           forget the conversation
+  /system TEXT     set the system prompt (and reset)
+  /save FILE       save the session (cache included) to FILE
+  /load FILE       continue a saved session
+  /stats           speed of the last reply, tokens prefilled this turn, KV use
+  /kv              cache type, capacity and fill
+  /exit            quit (Ctrl-D works too)
+Ctrl-C stops the current reply and keeps the chat. End a line with \\ to continue on the next."""
+
+
+def _read_message(prompt: str) -> str:
+    """One message; a trailing backslash continues it on the next line."""
+    lines = []
+    while True:
+        line = input(prompt if not lines else "... ")
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+def _kv_line(sess) -> str:
+    llm = sess.llm
+    cache = sess.seq.cache
+    fill = max((min(lk.n_written, lk.capacity) for lk in cache.layers), default=0)
+    return (f"kv {llm.kv_type}: {fill}/{llm.n_ctx} tokens in the largest ring, {cache.nbytes / 2**20:.1f} MiB allocated, "
+            f"{len(sess.seq.tokens)} tokens cached")
+
+
+def cmd_chat(args) -> int:
+    from .hub import DEFAULT_MODEL
+    from .llm import load
+    from .session import ChatSession
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    llm = load(args.model or DEFAULT_MODEL, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device,
+               progress=True)
+    sampling = dict(temperature=args.temp, seed=args.seed)
+    sess = llm.session(system=args.system, max_tokens=args.max_tokens, **sampling)
+    print(f"edgekv chat: {llm.path.name} ({llm.cfg.arch}, kv {llm.kv_type}, ctx {llm.n_ctx}). /help for commands.", flush=True)
+    while True:
+        try:
+            text = _read_message("> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /exit to quit)")
+            continue
+        cmd, _, arg = text.strip().partition(" ")
+        if cmd.startswith("/"):
+            arg = arg.strip()
+            if cmd in ("/exit", "/quit"):
+                return 0
+            elif cmd == "/help":
+                print(HELP)
+            elif cmd == "/reset":
+                sess.reset()
+                print("(conversation reset)")
+            elif cmd == "/system":
+                sess.reset(system=arg or None)
+                print("(system prompt set; conversation reset)")
+            elif cmd == "/stats":
+                st = sess.stats
+                print(f"prefill {st.prefill_tokens} of {st.prompt_tokens} prompt tokens ({st.prefill_tps:.1f} tok/s), "
+                      f"decode {st.generated_tokens} tokens ({st.decode_tps:.1f} tok/s); " + _kv_line(sess))
+            elif cmd == "/kv":
+                print(_kv_line(sess))
+            elif cmd == "/save":
+                if not arg:
+                    print("usage: /save FILE")
+                    continue
+                try:
+                    sess.save(arg)
+                    print(f"(saved to {arg})")
+                except EdgekvError as e:
+                    print(f"error: {e}")
+            elif cmd == "/load":
+                if not arg:
+                    print("usage: /load FILE")
+                    continue
+                try:
+                    sess = ChatSession.load(arg, llm)
+                    print(f"(loaded {arg}: {len(sess.history)} messages, {sess.n_cached} tokens cached)")
+                except EdgekvError as e:
+                    print(f"error: {e}")
+            else:
+                print(f"unknown command {cmd}; /help lists them")
+            continue
+        if not text.strip():
+            continue
+        try:
+            for e in sess.send(text, stream=True):
+                print(e.text, end="", flush=True)
+            print(flush=True)
+        except KeyboardInterrupt:
+            print("\n(stopped)", flush=True)
+        except EdgekvError as e:
+            print(f"\nerror: {e}", flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgekv", description="Quantized GGUF LLM inference with an INT8/INT4 ring-buffer KV cache.")
     p.add_argument("--version", action="version", version=f"edgekv {__version__}")
@@ -128,6 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("chat", help="interactive chat in the terminal")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="known name or .gguf path (default: smollm2-135m-instruct)")
+    s.add_argument("--kv", default="f16", help="KV cache type")
+    s.add_argument("--ctx", type=int, default=4096, help="KV cache capacity in tokens")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--temp", type=float, default=0.7, help="sampling temperature (0 = greedy)")
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--system", default=None, help="system prompt")
+    s.add_argument("-n", "--max-tokens", type=int, default=512, help="longest reply")
+    s.set_defaults(func=cmd_chat)
     return p
 
 

@@ -1,6 +1,7 @@
 """`LLM`: a loaded model — file, backend, weights, tokenizer, chat template — and the ways to run it."""
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ class LLM:
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
                  device: str = "cpu", n_sink: int = 4):
+        from .chat_template import ChatTemplate
         from .models import build_model
         from .tokenizer import Tokenizer
 
@@ -35,8 +37,14 @@ class LLM:
         self.model = build_model(self.file, self.backend)
         self.cfg = self.model.cfg
         self.tokenizer = Tokenizer.from_metadata(self.file.meta)
+        tok = self.tokenizer
+        self.template = ChatTemplate.from_metadata(self.file.meta, self.file.meta.get("tokenizer.ggml.tokens", []),
+                                                   tok.bos_id, tok.eos_id)
         self.n_ctx, self.kv_type, self.n_sink = n_ctx, kv, n_sink
         self.stats = None  # generate.Stats of the last call
+        # What a saved session must match: the file's header (metadata + tensor table) and size.
+        header = hashlib.sha256(memoryview(self.file._mmap)[: self.file.data_offset]).hexdigest()
+        self.identity = dict(name=self.path.name, size=self.file.size, header_sha256=header)
 
     # -- caches ---------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -101,6 +109,12 @@ class LLM:
         self.stats = Stats()
         yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
                             stop=stop, cancel=cancel, stats=self.stats)
+
+    def session(self, system: str | None = None, **kw) -> "ChatSession":
+        """A chat that keeps its KV cache between turns (see edgekv.ChatSession)."""
+        from .session import ChatSession
+
+        return ChatSession(self, system, **kw)
 
     def complete(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, **kw) -> str:
         """The whole continuation of `prompt` as one string (greedy by default)."""

@@ -1,0 +1,188 @@
+"""ChatSession: a conversation that keeps its KV cache between turns, so each new turn
+prefills only the tokens the cache does not already hold."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import struct
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .errors import EdgekvError, SessionFileError
+from .generate import Event, Sequence, Stats, generate
+from .sampling import Sampler, SamplingParams
+
+
+class ChatSession:
+    """Create with `llm.session(system=...)`. One session per thread; several sessions may
+    share one LLM (the weights), each with its own cache."""
+
+    def __init__(self, llm, system: str | None = None, *, max_tokens: int = 512, **sampling):
+        self.llm = llm
+        self.system = system
+        self.max_tokens = max_tokens
+        self.params = SamplingParams(**sampling)
+        self.params.validate()
+        self.sampler = Sampler(self.params, llm.cfg.n_vocab)
+        self.history: list[dict] = []  # user/assistant messages, system excluded
+        self.seq = Sequence(llm)
+        self.stats = Stats()
+        self._lock = threading.Lock()
+
+    def messages(self) -> list[dict]:
+        sys = [{"role": "system", "content": self.system}] if self.system else []
+        return sys + self.history
+
+    def _prompt_ids(self) -> list[int]:
+        text = self.llm.template.render(self.messages(), add_generation_prompt=True)
+        tok = self.llm.tokenizer
+        has_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
+        return tok.encode(text, add_bos=False if has_bos else None, special=True)
+
+    def send(self, text: str, *, stream: bool = False, max_tokens: int | None = None,
+             stop: list[str] | tuple = (), cancel: threading.Event | None = None):
+        """Add a user message and answer it: the reply text, or (stream=True) an iterator of Events."""
+        if not isinstance(text, str):
+            raise EdgekvError("message must be a string")
+        events = self._turn(text, max_tokens or self.max_tokens, stop, cancel)
+        return events if stream else "".join(e.text for e in events)
+
+    def _turn(self, text, max_tokens, stop, cancel) -> Iterator[Event]:
+        with self._lock:
+            self.history.append({"role": "user", "content": text})
+            try:
+                ids = self._prompt_ids()
+            except Exception:
+                self.history.pop()
+                raise
+            self.stats = Stats()
+            reply = []
+            try:
+                for e in generate(self.llm, self.seq, ids, self.sampler, max_tokens=max_tokens, stop=stop,
+                                  cancel=cancel, stats=self.stats):
+                    reply.append(e.text)
+                    yield e
+            finally:
+                # Whatever was produced (even if cancelled) becomes the assistant's turn.
+                self.history.append({"role": "assistant", "content": "".join(reply)})
+
+    def regenerate(self, **kw):
+        """Drop the last reply and answer the last user message again (the cache rolls back)."""
+        if len(self.history) < 2 or self.history[-1]["role"] != "assistant":
+            raise EdgekvError("nothing to regenerate")
+        self.history.pop()
+        last = self.history.pop()["content"]
+        return self.send(last, **kw)
+
+    def reset(self, system: str | None = ...) -> None:
+        """Forget the conversation (and optionally set a new system prompt)."""
+        if system is not ...:
+            self.system = system
+        self.history = []
+        self.seq.reset()
+
+    @property
+    def n_cached(self) -> int:
+        return len(self.seq.tokens)
+
+    # -- save / load -----------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the session (messages, tokens, cache contents in their stored dtype, sampler
+        state, model identity) to one file, atomically: a crash mid-save keeps the old file."""
+        with self._lock:
+            params = dataclasses.asdict(self.params)
+            params["logit_bias"] = sorted((int(k), float(v)) for k, v in (self.params.logit_bias or {}).items())
+            header = dict(
+                format=SESSION_FORMAT, version=SESSION_VERSION, model=self.llm.identity, kv=self.llm.kv_type,
+                n_ctx=self.llm.n_ctx, system=self.system, history=self.history, max_tokens=self.max_tokens,
+                tokens=self.seq.tokens, sampling=params, sampler=self.sampler.state(),
+                layers=[dict(n_written=lk.n_written, n_sink=lk.n_sink) for lk in self.seq.cache.layers],
+            )
+            arrays = {}
+            for i, lk in enumerate(self.seq.cache.layers):
+                arrays.update({f"k{i}": lk.k, f"v{i}": lk.v, f"pos{i}": lk.pos})
+            body = io.BytesIO()
+            np.savez(body, **arrays)
+            blob = json.dumps(header).encode()
+            path = Path(path)
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(SESSION_MAGIC + struct.pack("<Q", len(blob)) + blob)
+                    f.write(body.getbuffer())
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError as e:
+                try:
+                    os.unlink(tmp)
+                except (OSError, UnboundLocalError):
+                    pass
+                raise SessionFileError(f"cannot save session to {path}: {e.strerror or e}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, llm) -> "ChatSession":
+        """A session saved by `save`, continuing exactly where it was (no prefill needed)."""
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise SessionFileError(f"cannot read session {path}: {e.strerror or e}") from None
+        if not data.startswith(SESSION_MAGIC) or len(data) < len(SESSION_MAGIC) + 8:
+            raise SessionFileError(f"{path.name} is not an edgekv session file")
+        n = struct.unpack_from("<Q", data, len(SESSION_MAGIC))[0]
+        start = len(SESSION_MAGIC) + 8
+        if start + n > len(data):
+            raise SessionFileError(f"{path.name} is truncated")
+        try:
+            h = json.loads(data[start:start + n])
+            arrays = np.load(io.BytesIO(data[start + n:]), allow_pickle=False)
+        except Exception as e:
+            raise SessionFileError(f"{path.name} is corrupt ({type(e).__name__})") from None
+        if not isinstance(h, dict) or h.get("format") != SESSION_FORMAT:
+            raise SessionFileError(f"{path.name} is not an edgekv session file")
+        if h.get("version") != SESSION_VERSION:
+            raise SessionFileError(f"{path.name} is session format version {h.get('version')}, this edgekv reads {SESSION_VERSION}")
+        if h.get("model") != llm.identity:
+            raise SessionFileError(f"{path.name} was saved with another model ({h.get('model', {}).get('name')})")
+        if h.get("kv") != llm.kv_type or h.get("n_ctx") != llm.n_ctx:
+            raise SessionFileError(f"{path.name} needs kv={h.get('kv')} ctx={h.get('n_ctx')}; this model is loaded with "
+                                   f"kv={llm.kv_type} ctx={llm.n_ctx}")
+        try:
+            sampling = dict(h["sampling"])
+            sampling["logit_bias"] = {int(k): float(v) for k, v in sampling["logit_bias"]} or None
+            sess = cls(llm, h["system"], max_tokens=int(h["max_tokens"]), **sampling)
+            sess.sampler = Sampler.from_state(sess.params, llm.cfg.n_vocab, h["sampler"])
+            sess.history = [dict(role=str(m["role"]), content=str(m["content"])) for m in h["history"]]
+            tokens = [int(t) for t in h["tokens"]]
+            if any(t < 0 or t >= llm.cfg.n_vocab for t in tokens):
+                raise ValueError("token out of range")
+            layers = sess.seq.cache.layers
+            if len(h["layers"]) != len(layers):
+                raise ValueError("layer count")
+            for i, (lk, meta) in enumerate(zip(layers, h["layers"])):
+                k, v, pos = arrays[f"k{i}"], arrays[f"v{i}"], arrays[f"pos{i}"]
+                if k.shape != lk.k.shape or v.shape != lk.v.shape or pos.shape != lk.pos.shape \
+                        or k.dtype != lk.k.dtype or v.dtype != lk.v.dtype or pos.dtype != lk.pos.dtype:
+                    raise ValueError(f"layer {i} arrays do not fit this cache")
+                if pos.max(initial=-1) >= len(tokens) or int(meta["n_written"]) < 0:
+                    raise ValueError(f"layer {i} positions")
+                lk.k[...], lk.v[...], lk.pos[...] = k, v, pos
+                lk.n_written = int(meta["n_written"])
+            sess.seq.tokens = tokens
+        except SessionFileError:
+            raise
+        except Exception as e:
+            raise SessionFileError(f"{path.name} is corrupt: {e}") from None
+        return sess
+
+
+SESSION_MAGIC = b"EDGEKVS\x00"
+SESSION_FORMAT = "edgekv-session"
+SESSION_VERSION = 1
