@@ -206,6 +206,45 @@ def cmd_chat(args) -> int:
             print(f"\nerror: {e}", flush=True)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def cmd_bench(args) -> int:
+    from .bench import format_table, plot, run_bench
+    from .hub import resolve
+
+    path = resolve(args.model, progress=not args.quiet)
+    result = run_bench(path, prompt=_ints(args.p), gen=_ints(args.n), depths=_ints(args.d), kvs=args.kv.split(","),
+                       threads=_ints(args.t) if args.t else [None], reps=args.r,
+                       compare=args.compare == "llama.cpp", progress=not args.quiet)
+    print(format_table(result, args.o))
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .llm import load
+    from .perplexity import perplexity
+
+    llm = load(args.model, n_ctx=args.ctx, threads=args.threads, progress=not args.quiet)
+    try:
+        text = Path(args.file).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise EdgekvError(f"cannot read {args.file}: {e.strerror}") from None
+    ids = llm.tokenize(text, special=False)
+    kinds = args.kv.split(",")
+    if args.kl_base and args.kl_base not in kinds:
+        kinds.insert(0, args.kl_base)
+    res = perplexity(llm, ids, n_ctx=args.ctx, kinds=kinds, kl_base=args.kl_base, progress=not args.quiet)
+    print(json.dumps(dict(model=str(llm.path), tokens=len(ids), n_ctx=args.ctx, results=res), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgekv", description="Quantized GGUF LLM inference with an INT8/INT4 ring-buffer KV cache.")
     p.add_argument("--version", action="version", version=f"edgekv {__version__}")
@@ -247,6 +286,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", default=None, help="system prompt")
     s.add_argument("-n", "--max-tokens", type=int, default=512, help="longest reply")
     s.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("bench", help="speed tests like llama-bench, optionally beside llama.cpp")
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("-p", default="512", help="prompt lengths to prefill, comma-separated (0 = none)")
+    s.add_argument("-n", default="128", help="tokens to generate, comma-separated (0 = none)")
+    s.add_argument("-d", default="0", help="context depths already filled, comma-separated")
+    s.add_argument("-r", type=int, default=3, help="repetitions")
+    s.add_argument("-t", default="", help="thread counts, comma-separated (default: physical cores)")
+    s.add_argument("--kv", default="f16", help="cache types, comma-separated")
+    s.add_argument("-o", default="md", choices=["md", "json", "csv"])
+    s.add_argument("--compare", choices=["llama.cpp"], default=None)
+    s.add_argument("--plot", default=None, metavar="FILE.png")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("perplexity", help="perplexity of a text file, and KL of a cache type vs f16")
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("file", metavar="FILE")
+    s.add_argument("--ctx", type=int, default=512, help="window size")
+    s.add_argument("--kv", default="f16", help="cache types, comma-separated")
+    s.add_argument("--kl-base", default=None, help="cache type the others are compared against (e.g. f16)")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_perplexity)
     return p
 
 

@@ -47,11 +47,13 @@ class LLM:
         self.identity = dict(name=self.path.name, size=self.file.size, header_sha256=header)
 
     # -- caches ---------------------------------------------------------------------------
-    def new_cache(self) -> KVCache:
-        """An empty KV cache sized for this model and n_ctx (sliding-window layers keep only their window)."""
+    def new_cache(self, kind: str | None = None, *, n_sink: int | None = None) -> KVCache:
+        """An empty KV cache for this model: `kind` (default: the LLM's kv type) and n_ctx
+        tokens per ring; sliding-window layers keep only their window."""
         windows = self.cfg.windows()
         caps = [min(w, self.n_ctx) if w else self.n_ctx for w in windows]
-        return KVCache(caps, self.cfg.n_head_kv, self.cfg.head_dim, n_sink=self.n_sink, windows=windows)
+        return KVCache(caps, self.cfg.n_head_kv, self.cfg.head_dim, n_sink=self.n_sink if n_sink is None else n_sink,
+                       windows=windows)
 
     def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
         """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""
