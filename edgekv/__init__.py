@@ -18,8 +18,9 @@ from .errors import (  # noqa: E402
     UnsupportedModelError,
 )
 from .llm import LLM, load  # noqa: E402
+from .session import ChatSession  # noqa: E402
 
 __all__ = [
-    "LLM", "load", "EdgekvError", "ModelFileError", "UnsupportedModelError", "ModelNotFoundError",
+    "LLM", "load", "ChatSession", "EdgekvError", "ModelFileError", "UnsupportedModelError", "ModelNotFoundError",
     "DownloadError", "TemplateError", "SessionFileError", "ContextError", "DeviceError", "__version__",
 ]

@@ -73,3 +73,11 @@ def agreement(model, fixture: dict) -> tuple[float, float]:
 @pytest.fixture(params=sorted(MODELS))
 def model_key(request) -> str:
     return request.param
+
+
+@lru_cache(maxsize=None)
+def get_llm(key: str = "smollm2", n_ctx: int = 512, kv: str = "f16"):
+    """A loaded edgekv.LLM on the CPU backend, shared across tests (read-only use)."""
+    from edgekv import LLM
+
+    return LLM(model_path(key), n_ctx=n_ctx, kv=kv)
