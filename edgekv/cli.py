@@ -90,12 +90,35 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _sampling_args(args) -> dict:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, seed=args.seed)
+
+
 def cmd_run(args) -> int:
+    import json
+
     from .llm import load
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = load(args.model, n_ctx=args.ctx, threads=args.threads, device=args.device, progress=not args.quiet)
-    print(llm.complete(prompt, max_tokens=args.max_tokens), flush=True)
+    llm = load(args.model, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, progress=not args.quiet)
+    if args.chat:
+        text = llm.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        tok = llm.tokenizer
+        has_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
+        prompt_in = tok.encode(text, add_bos=False if has_bos else None, special=True)
+    else:
+        prompt_in = prompt
+    pieces, reason = [], None
+    for e in llm.generate(prompt_in, max_tokens=args.max_tokens, stop=args.stop or (), **_sampling_args(args)):
+        pieces.append(e.text)
+        reason = e.finish_reason or reason
+        if not args.json:
+            print(e.text, end="", flush=True)
+    if args.json:
+        print(json.dumps(dict(model=str(llm.path), text="".join(pieces), finish_reason=reason, **llm.stats.as_dict())))
+    else:
+        print(flush=True)
     return 0
 
 
@@ -265,13 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("run", help="one-shot completion")
+    s = sub.add_parser("run", help="one-shot completion, streamed to stdout")
     s.add_argument("model", metavar="MODEL")
     s.add_argument("prompt", metavar="PROMPT", help="text, or - to read stdin")
     s.add_argument("-n", "--max-tokens", type=int, default=128)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, timings)")
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--ctx", type=int, default=4096)
+    s.add_argument("--kv", default="f16")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--device", default="cpu")
+    s.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    s.add_argument("--top-k", type=int, default=40)
+    s.add_argument("--top-p", type=float, default=0.95)
+    s.add_argument("--min-p", type=float, default=0.05)
+    s.add_argument("--repeat-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_run)
 

@@ -1,0 +1,625 @@
+"""The non-matmul kernels of the forward pass: norms, rotary embedding, gated activations,
+residual adds and attention over a KV cache.
+
+Inputs are float32 arrays (the KV cache may be float16) and should be C-contiguous: the
+wrappers check dtypes and shapes and raise ValueError on misuse, allocate `out` when it is
+not given, and never copy a contiguous input; the jitted cores trust their inputs. At decode
+(one token) these run ~10 times per layer per token, so the wrappers stay thin (about a
+microsecond of checks) and small inputs take a serial core, because waking the thread pool
+costs more than the work. The `*_PAR_MIN` constants choose the parallel core; tests patch
+them to reach both paths.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.extending import intrinsic
+
+# Sizes (elements; for attention n_query * n_head * n_key * head_dim) from which the parallel
+# core won on a 2-core znver4, where waking the pool costs ~2.5 us; below them, serial.
+ELEMENTWISE_PAR_MIN = 1 << 16  # silu_mul, gelu_mul
+RMSNORM_PAR_MIN = 1 << 16
+ROPE_PAR_MIN = 1 << 14  # sin/cos per token make rope heavier per element
+ATTN_PAR_MIN = 1 << 16
+ATTN_Q_BLOCK = 16  # queries per attention task (they share the tile-skipping test)
+ATTN_SPLIT_MIN_KEYS = 256  # fewest keys per split when decode splits the cache
+
+# numpy's builtin dtypes are singletons, so `a.dtype is _F32` is the cheapest exact check
+_F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
+_I64 = np.dtype(np.int64)
+
+# Arithmetic stays float32: numba would widen float32 * python-float to float64.
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_HALF = np.float32(0.5)
+_NEG = np.float32(-3.0e38)  # "no score yet"; finite, so no inf arithmetic is needed
+# Options of every core. Reassociation lets the reductions vectorize; nnan/ninf stay off so
+# comparisons keep meaning. error_model="numpy" drops python's ZeroDivisionError check on
+# float division, a branch that stops LLVM from vectorizing the loop around it.
+_FM = {"nsz", "arcp", "contract", "reassoc", "afn"}
+_KERNEL = dict(cache=True, error_model="numpy", fastmath=_FM)
+
+
+# --- scalar helpers -------------------------------------------------------------------
+
+
+@intrinsic
+def _widen(typingctx, x):
+    """float32 from a KV cache element: uint16 holds IEEE half bits (numba has no float16
+    type on CPU); LLVM turns the fpext into vcvtph2ps, exact for every half value."""
+    if x == types.uint16:
+
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(x), codegen
+    if x == types.float32:
+
+        def codegen(context, builder, sig, args):
+            return args[0]
+
+        return types.float32(x), codegen
+    return None
+
+
+@intrinsic
+def _bits_as_f32(typingctx, x):
+    """Reinterpret int32 bits as float32 (builds 2**n for _expf)."""
+    if x == types.int32:
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(x), codegen
+    return None
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split in two so n*ln2 subtracts exactly
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_LO = np.float32(-87.0)  # exp(-87) ~ 1.6e-38 is still a normal float32
+_EXP_HI = np.float32(88.0)  # 2**127 stays below the exponent limit
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+
+
+@njit(inline="always", **_KERNEL)
+def _expf(x):
+    """exp for float32 within ~2 ulp (Cephes polynomial). Written out because LLVM only
+    vectorizes libm's expf with SVML, which numba rarely has; softmax and the gated
+    activations are bound by this call. Inputs are clamped to [-87, 88]."""
+    x = min(max(x, _EXP_LO), _EXP_HI)
+    n = np.floor(x * _LOG2E + _HALF)
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
+    y = p * r * r + r + _F1
+    return y * _bits_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+
+
+# --- rmsnorm --------------------------------------------------------------------------
+
+
+@njit(inline="always", **_KERNEL)
+def _rmsnorm_row(x, w, eps, out, r):
+    d = x.shape[1]
+    ss = 0.0  # float64 sum of squares, as ggml does
+    for j in range(d):
+        xj = np.float64(x[r, j])
+        ss += xj * xj
+    s = np.float32(1.0 / math.sqrt(ss / d + eps))
+    for j in range(d):
+        out[r, j] = (x[r, j] * s) * w[j]
+
+
+@njit(**_KERNEL)
+def _rmsnorm_serial(x, w, eps, out):
+    for r in range(x.shape[0]):
+        _rmsnorm_row(x, w, eps, out, r)
+
+
+@njit(parallel=True, **_KERNEL)
+def _rmsnorm_parallel(x, w, eps, out):
+    for r in prange(x.shape[0]):
+        _rmsnorm_row(x, w, eps, out, r)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """y = x / sqrt(mean(x**2) + eps) * w over the last axis of x (..., d), w (d,), float32.
+
+    Any leading shape works, so per-head QK-norm passes x (n, heads, hd) with w (hd,).
+    out (C-contiguous) may be x itself. Returns out."""
+    d = w.shape[0]
+    if x.dtype is not _F32 or w.dtype is not _F32 or w.ndim != 1 or x.shape[-1] != d:
+        raise ValueError(f"rmsnorm: x {x.dtype}{x.shape}, w {w.dtype}{w.shape} must be float32 (..., d), (d,)")
+    if out is None:
+        out = np.empty(x.shape, _F32)
+    elif out.dtype is not _F32 or out.shape != x.shape or not out.flags.c_contiguous:
+        raise ValueError(f"rmsnorm: out {out.dtype}{out.shape} must be float32 {x.shape}, C-contiguous")
+    x2 = x.reshape(-1, d)  # (rows, d): a view of a contiguous x
+    o2 = out.reshape(-1, d)  # a view: out is contiguous, so results land in out
+    # float(): a numpy-scalar eps would compile another specialization of the core
+    if x.size >= RMSNORM_PAR_MIN:
+        _rmsnorm_parallel(x2, w, float(eps), o2)
+    else:
+        _rmsnorm_serial(x2, w, float(eps), o2)
+    return out
+
+
+# --- rotary position embedding --------------------------------------------------------
+
+
+# No fast-math here: the float64 angle and libm's sin/cos must keep full precision.
+_ROPE = dict(cache=True, error_model="numpy")
+
+
+@njit(inline="always", **_ROPE)
+def _rope_token(x, pos, inv_freq, neox, t, cs, sn):
+    half = inv_freq.shape[0]
+    p = np.float64(pos[t])
+    for i in range(half):
+        # float64 angle: at positions ~1e7 a float32 angle would be off by radians
+        a = p * inv_freq[i]
+        cs[i] = np.float32(math.cos(a))
+        sn[i] = np.float32(math.sin(a))
+    for h in range(x.shape[1]):
+        if neox:
+            for i in range(half):
+                x0 = x[t, h, i]
+                x1 = x[t, h, i + half]
+                x[t, h, i] = x0 * cs[i] - x1 * sn[i]
+                x[t, h, i + half] = x0 * sn[i] + x1 * cs[i]
+        else:
+            for i in range(half):
+                x0 = x[t, h, 2 * i]
+                x1 = x[t, h, 2 * i + 1]
+                x[t, h, 2 * i] = x0 * cs[i] - x1 * sn[i]
+                x[t, h, 2 * i + 1] = x0 * sn[i] + x1 * cs[i]
+
+
+@njit(**_ROPE)
+def _rope_serial(x, pos, inv_freq, neox):
+    half = inv_freq.shape[0]
+    cs = np.empty(half, np.float32)
+    sn = np.empty(half, np.float32)
+    for t in range(x.shape[0]):
+        _rope_token(x, pos, inv_freq, neox, t, cs, sn)
+
+
+@njit(parallel=True, **_ROPE)
+def _rope_parallel(x, pos, inv_freq, neox):
+    half = inv_freq.shape[0]
+    for t in prange(x.shape[0]):
+        cs = np.empty(half, np.float32)
+        sn = np.empty(half, np.float32)
+        _rope_token(x, pos, inv_freq, neox, t, cs, sn)
+
+
+_inv_freq_cache: dict[tuple[float, int, float], np.ndarray] = {}
+
+
+def _inv_freq(theta_base: float, n_rot: int, freq_scale: float) -> np.ndarray:
+    # (n_rot/2,) float64: freq_scale * base**(-2i/n_rot), made once per (base, n_rot, scale)
+    f = freq_scale * np.power(np.float64(theta_base), -np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    _inv_freq_cache[(theta_base, n_rot, freq_scale)] = f
+    return f
+
+
+def rope(
+    x: np.ndarray,
+    pos: np.ndarray,
+    theta_base: float,
+    neox: bool,
+    n_rot: int,
+    freq_scale: float = 1.0,
+) -> np.ndarray:
+    """Rotate x (n, heads, hd) float32 in place by token positions pos (n,) int64.
+
+    Pair i (i < n_rot/2) turns by pos * theta_base**(-2i/n_rot) * freq_scale, the angle in
+    float64. neox=False is llama.cpp's NORM rope (pairs x[2i], x[2i+1]; llama), neox=True
+    its NEOX rope (pairs x[i], x[i + n_rot/2]; gemma3). Dims from n_rot on are left as
+    they are. Returns x."""
+    if x.dtype is not _F32 or x.ndim != 3 or pos.dtype is not _I64 or pos.shape != x.shape[:1]:
+        raise ValueError(
+            f"rope: x {x.dtype}{x.shape} must be float32 (n, heads, hd), pos {pos.dtype}{pos.shape} int64 (n,)"
+        )
+    if n_rot % 2 or not 0 < n_rot <= x.shape[2]:
+        raise ValueError(f"rope: n_rot={n_rot} must be even and within head_dim {x.shape[2]}")
+    inv_freq = _inv_freq_cache.get((theta_base, n_rot, freq_scale))
+    if inv_freq is None:
+        inv_freq = _inv_freq(theta_base, n_rot, freq_scale)
+    if x.size >= ROPE_PAR_MIN:
+        _rope_parallel(x, pos, inv_freq, bool(neox))
+    else:
+        _rope_serial(x, pos, inv_freq, bool(neox))
+    return x
+
+
+# --- gated activations ----------------------------------------------------------------
+
+_GELU_C = np.float32(-2.0 * math.sqrt(2.0 / math.pi))  # -2 * sqrt(2/pi)
+_GELU_A = np.float32(0.044715)
+
+
+@njit(inline="always", **_KERNEL)
+def _silu_mul_1d(g, u, out):
+    # indices from range(shape) are known non-negative, so no wraparound blocks vectorizing
+    for i in range(g.shape[0]):
+        x = g[i]
+        out[i] = x / (_F1 + _expf(-x)) * u[i]
+
+
+@njit(inline="always", **_KERNEL)
+def _gelu_mul_1d(g, u, out):
+    # 0.5*x*(1 + tanh(z)) == x / (1 + exp(-2z)): one exp, and no cancellation for x << 0
+    for i in range(g.shape[0]):
+        x = g[i]
+        out[i] = x / (_F1 + _expf(_GELU_C * (x + _GELU_A * x * x * x))) * u[i]
+
+
+_CHUNK = 8192  # elements per parallel task
+
+
+@njit(**_KERNEL)
+def _silu_mul_serial(g, u, out):
+    _silu_mul_1d(g, u, out)
+
+
+@njit(parallel=True, **_KERNEL)
+def _silu_mul_parallel(g, u, out):
+    n = g.shape[0]
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        lo, hi = c * _CHUNK, min(n, (c + 1) * _CHUNK)
+        _silu_mul_1d(g[lo:hi], u[lo:hi], out[lo:hi])
+
+
+@njit(**_KERNEL)
+def _gelu_mul_serial(g, u, out):
+    _gelu_mul_1d(g, u, out)
+
+
+@njit(parallel=True, **_KERNEL)
+def _gelu_mul_parallel(g, u, out):
+    n = g.shape[0]
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        lo, hi = c * _CHUNK, min(n, (c + 1) * _CHUNK)
+        _gelu_mul_1d(g[lo:hi], u[lo:hi], out[lo:hi])
+
+
+def _check_pair(name: str, a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    if a.dtype is not _F32 or b.dtype is not _F32 or a.shape != b.shape:
+        raise ValueError(f"{name}: {a.dtype}{a.shape} and {b.dtype}{b.shape} must be float32 of one shape")
+    if out is None:
+        return np.empty(a.shape, _F32)
+    if out.dtype is not _F32 or out.shape != a.shape or not out.flags.c_contiguous:
+        raise ValueError(f"{name}: out {out.dtype}{out.shape} must be float32 {a.shape}, C-contiguous")
+    return out
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out = silu(gate) * up (SwiGLU), elementwise over float32 arrays of one shape such as
+    (n, n_ff); out (C-contiguous) may be gate or up. Returns out."""
+    out = _check_pair("silu_mul", gate, up, out)
+    if gate.size >= ELEMENTWISE_PAR_MIN:
+        _silu_mul_parallel(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    else:
+        _silu_mul_serial(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    return out
+
+
+def gelu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out = gelu(gate) * up (GeGLU) with the tanh form of gelu that ggml uses,
+    0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x**3))); same contract as silu_mul."""
+    out = _check_pair("gelu_mul", gate, up, out)
+    if gate.size >= ELEMENTWISE_PAR_MIN:
+        _gelu_mul_parallel(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    else:
+        _gelu_mul_serial(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    return out
+
+
+# --- residual add, scale, row lookup --------------------------------------------------
+# numpy's ufuncs are vectorized already and cost less per call than a numba dispatch.
+
+
+def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out = a + b for float32 arrays of one shape; out may be a or b. Returns out."""
+    out = _check_pair("add", a, b, out)
+    return np.add(a, b, out=out)
+
+
+def add_(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a += b in place (the residual stream), float32 arrays of one shape. Returns a."""
+    if a.dtype is not _F32 or b.dtype is not _F32 or a.shape != b.shape:
+        raise ValueError(f"add_: {a.dtype}{a.shape} and {b.dtype}{b.shape} must be float32 of one shape")
+    return np.add(a, b, out=a)
+
+
+def scale_(x: np.ndarray, s: float) -> np.ndarray:
+    """x *= s in place (gemma scales embeddings by sqrt(n_embd)), float32. Returns x."""
+    if x.dtype is not _F32:
+        raise ValueError(f"scale_: x must be float32, not {x.dtype}")
+    return np.multiply(x, np.float32(s), out=x)
+
+
+def get_rows_f32(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows of a float32 table (vocab, d) for integer ids (n,) -> (n, d); IndexError when an
+    id is out of range. Quantized tables go through qmatmul's row dequantization."""
+    if table.dtype is not _F32 or table.ndim != 2 or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(
+            f"get_rows_f32: table {table.dtype}{table.shape} must be float32 (vocab, d), "
+            f"ids {ids.dtype}{ids.shape} integer (n,)"
+        )
+    if out is None:
+        out = np.empty((ids.shape[0], table.shape[1]), _F32)
+    return np.take(table, ids, axis=0, out=out)
+
+
+# --- attention over a KV cache --------------------------------------------------------
+# Flash-attention style: each (query, head) row walks the keys in tiles, keeping a running
+# max (m), denominator (l) and weighted value sum (acc), so scores never exist for all keys
+# at once. Tasks are (query block, kv head, key split); decode has one query, so it splits
+# the keys among threads and merges the partial softmaxes. K and V are widened from f16
+# inside the dot and the value sum (one vcvtph2ps per 16 values): measured faster than
+# widening each tile into a float32 scratch first (~300 vs ~520 us, 4096 keys, 9/3 heads).
+
+_ATTN_TILE = 64  # keys per online-softmax step
+
+
+@njit(inline="always", **_KERNEL)
+def _visible(kp, qp, window):
+    # empty slots have kp < 0; llama.cpp's SWA masks a key when qp - kp >= window
+    return kp >= 0 and kp <= qp and (window == 0 or qp - kp < window)
+
+
+@njit(**_KERNEL)
+def _attn_block(q, k, v, q_pos, k_pos, scale, window, i0, i1, g, j0, j1, acc, m, l, sc, ok):
+    """Attend queries i0:i1 of kv head g's query heads to keys j0:j1, updating
+    acc (rows, hd), m (rows,), l (rows,) with rows ordered (query, head in group).
+    Scratch: sc (_ATTN_TILE,) scores then probabilities, ok (_ATTN_TILE,) visibility."""
+    hd = q.shape[2]
+    grp = q.shape[1] // k.shape[1]
+    qmin = q_pos[i0]
+    qmax = q_pos[i0]
+    for i in range(i0, i1):
+        qmin = min(qmin, q_pos[i])
+        qmax = max(qmax, q_pos[i])
+    for t0 in range(j0, j1, _ATTN_TILE):
+        nt = min(_ATTN_TILE, j1 - t0)
+        # skip tiles no query of the block sees (future keys in prefill, outside the window)
+        anyv = False
+        for jj in range(nt):
+            kp = k_pos[t0 + jj]
+            if kp >= 0 and kp <= qmax and (window == 0 or qmin - kp < window):
+                anyv = True
+                break
+        if not anyv:
+            continue
+        for i in range(i0, i1):
+            qp = q_pos[i]
+            nv = 0
+            for jj in range(nt):
+                ok[jj] = _visible(k_pos[t0 + jj], qp, window)
+                nv += ok[jj]
+            if nv == 0:
+                continue
+            for hh in range(grp):
+                h = g * grp + hh
+                r = (i - i0) * grp + hh
+                mt = _NEG
+                for jj in range(nt):
+                    s = _F0
+                    for d in range(hd):
+                        s += q[i, h, d] * _widen(k[t0 + jj, g, d])
+                    s *= scale
+                    sc[jj] = s
+                    if ok[jj] and s > mt:
+                        mt = s
+                if mt > m[r]:
+                    if m[r] > _NEG:
+                        alpha = _expf(m[r] - mt)
+                        l[r] *= alpha
+                        for d in range(hd):
+                            acc[r, d] *= alpha
+                    m[r] = mt
+                mr = m[r]
+                lsum = _F0
+                for jj in range(nt):
+                    p = _expf(sc[jj] - mr) if ok[jj] else _F0
+                    sc[jj] = p
+                    lsum += p
+                l[r] += lsum
+                # value sum four keys per pass (a quarter of the acc loads and stores);
+                # hidden keys are skipped, not multiplied by 0: empty slots may hold NaN
+                jj = 0
+                while jj < nt:
+                    j = t0 + jj
+                    if jj + 4 <= nt and ok[jj] and ok[jj + 1] and ok[jj + 2] and ok[jj + 3]:
+                        p0, p1, p2, p3 = sc[jj], sc[jj + 1], sc[jj + 2], sc[jj + 3]
+                        for d in range(hd):
+                            acc[r, d] += (
+                                p0 * _widen(v[j, g, d])
+                                + p1 * _widen(v[j + 1, g, d])
+                                + p2 * _widen(v[j + 2, g, d])
+                                + p3 * _widen(v[j + 3, g, d])
+                            )
+                        jj += 4
+                    else:
+                        if ok[jj]:
+                            p0 = sc[jj]
+                            for d in range(hd):
+                                acc[r, d] += p0 * _widen(v[j, g, d])
+                        jj += 1
+
+
+@njit(**_KERNEL)
+def _attn_task(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out, pm, pl, pacc, t, scratch):
+    """Run task t = (query block, kv head, key split); scratch is (acc, m, l, sc, ok) sized
+    for bq queries, allocated once per thread of work (allocation costs ~0.1 us each)."""
+    acc, m, l, sc, ok = scratch
+    n, n_head, hd = q.shape
+    n_kv, n_head_kv = k.shape[0], k.shape[1]
+    grp = n_head // n_head_kv
+    nqb = (n + bq - 1) // bq
+    s = t % n_split
+    g = (t // n_split) % n_head_kv
+    b = t // (n_split * n_head_kv)
+    # interleave light (early) and heavy (late) causal blocks so static chunks balance
+    qb = b // 2 if b % 2 == 0 else nqb - 1 - b // 2
+    i0 = qb * bq
+    i1 = min(n, i0 + bq)
+    split_len = (n_kv + n_split - 1) // n_split
+    j0 = min(n_kv, s * split_len)
+    j1 = min(n_kv, j0 + split_len)
+    rows = (i1 - i0) * grp
+    acc[:rows] = _F0
+    m[:rows] = _NEG
+    l[:rows] = _F0
+    _attn_block(q, k, v, q_pos, k_pos, np.float32(scale), window, i0, i1, g, j0, j1, acc, m, l, sc, ok)
+    for i in range(i0, i1):
+        for hh in range(grp):
+            r = (i - i0) * grp + hh
+            h = g * grp + hh
+            if n_split == 1:
+                inv = _F1 / l[r] if l[r] > _F0 else _F0  # a query that sees no key gets zeros
+                for d in range(hd):
+                    out[i, h, d] = acc[r, d] * inv
+            else:
+                pm[i, h, s] = m[r]
+                pl[i, h, s] = l[r]
+                for d in range(hd):
+                    pacc[i, h, s, d] = acc[r, d]
+
+
+@njit(**_KERNEL)
+def _attn_scratch(q, k, bq):
+    rows = bq * (q.shape[1] // k.shape[1])
+    return (
+        np.empty((rows, q.shape[2]), np.float32),
+        np.empty(rows, np.float32),
+        np.empty(rows, np.float32),
+        np.empty(_ATTN_TILE, np.float32),
+        np.empty(_ATTN_TILE, np.bool_),
+    )
+
+
+@njit(**_KERNEL)
+def _attn_merge(pm, pl, pacc, out):
+    """Combine per-split softmax partials (max m, denominator l, unnormalized sum)."""
+    n, n_head, n_split, hd = pacc.shape
+    for i in range(n):
+        for h in range(n_head):
+            mx = _NEG
+            for s in range(n_split):
+                if pl[i, h, s] > _F0:
+                    mx = max(mx, pm[i, h, s])
+            for d in range(hd):
+                out[i, h, d] = _F0
+            den = _F0
+            for s in range(n_split):
+                if pl[i, h, s] > _F0:
+                    w = _expf(pm[i, h, s] - mx)
+                    den += w * pl[i, h, s]
+                    for d in range(hd):
+                        out[i, h, d] += w * pacc[i, h, s, d]
+            inv = _F1 / den if den > _F0 else _F0
+            for d in range(hd):
+                out[i, h, d] *= inv
+
+
+@njit(**_KERNEL)
+def _attn_serial(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out):
+    n, n_head, hd = q.shape
+    pm = np.empty((n, n_head, n_split), np.float32)  # (n, n_head, n_split) partial maxima
+    pl = np.empty((n, n_head, n_split), np.float32)  # partial denominators
+    pacc = np.empty((n, n_head, n_split if n_split > 1 else 0, hd), np.float32)
+    scratch = _attn_scratch(q, k, bq)
+    for t in range(((n + bq - 1) // bq) * k.shape[1] * n_split):
+        _attn_task(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out, pm, pl, pacc, t, scratch)
+    if n_split > 1:
+        _attn_merge(pm, pl, pacc, out)
+
+
+@njit(parallel=True, **_KERNEL)
+def _attn_parallel(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out):
+    n, n_head, hd = q.shape
+    pm = np.empty((n, n_head, n_split), np.float32)
+    pl = np.empty((n, n_head, n_split), np.float32)
+    pacc = np.empty((n, n_head, n_split if n_split > 1 else 0, hd), np.float32)
+    for t in prange(((n + bq - 1) // bq) * k.shape[1] * n_split):
+        scratch = _attn_scratch(q, k, bq)  # per task: threads must not share it
+        _attn_task(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out, pm, pl, pacc, t, scratch)
+    if n_split > 1:
+        _attn_merge(pm, pl, pacc, out)
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    scale: float,
+    window: int = 0,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """softmax(q k^T * scale + mask) v for q (n, n_head, hd) float32 against a KV cache
+    k, v (n_kv, n_head_kv, hd), both float16 or both float32.
+
+    Query head h reads kv head h // (n_head // n_head_kv) (GQA). Query i sees key j iff
+    0 <= k_pos[j] <= q_pos[i] and (window == 0 or q_pos[i] - k_pos[j] < window): causal by
+    position, so cache slots may be in any order (a ring), and k_pos = -1 marks an empty
+    slot, whose contents (even NaN) never reach the output. q_pos (n,), k_pos (n_kv,) int64;
+    window >= 0. A query that sees no key gets zeros. Returns out (n, n_head, hd) float32."""
+    if q.dtype is not _F32 or q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"attention: q {q.dtype}{q.shape} must be float32 (n, n_head, hd), "
+            f"k {k.shape} and v {v.shape} equal (n_kv, n_head_kv, hd)"
+        )
+    n, n_head, hd = q.shape
+    n_kv, n_head_kv, khd = k.shape
+    if khd != hd or n_head_kv == 0 or n_head % n_head_kv:
+        raise ValueError(f"attention: k {k.shape} does not fit q {q.shape} (head_dim, GQA groups)")
+    if q_pos.dtype is not _I64 or k_pos.dtype is not _I64 or q_pos.shape != (n,) or k_pos.shape != (n_kv,):
+        raise ValueError(
+            f"attention: q_pos {q_pos.dtype}{q_pos.shape}, k_pos {k_pos.dtype}{k_pos.shape} "
+            f"must be int64 ({n},), ({n_kv},)"
+        )
+    if window < 0:
+        raise ValueError(f"attention: window={window} must be >= 0 (0: no sliding window)")
+    if out is None:
+        out = np.empty(q.shape, _F32)
+    elif out.dtype is not _F32 or out.shape != q.shape:
+        raise ValueError(f"attention: out {out.dtype}{out.shape} must be float32 {q.shape}")
+    if k.dtype is _F16 and v.dtype is _F16:
+        k = k.view(np.uint16)  # the cores read half bits through _widen
+        v = v.view(np.uint16)
+    elif k.dtype is not _F32 or v.dtype is not _F32:
+        raise ValueError(f"attention: k, v must both be float16 or float32, not {k.dtype}, {v.dtype}")
+    if n == 0:
+        return out
+    scale, window = float(scale), int(window)  # python scalars: one compiled signature
+    bq = min(n, ATTN_Q_BLOCK)
+    if n * n_head * n_kv * hd < ATTN_PAR_MIN:
+        _attn_serial(q, k, v, q_pos, k_pos, scale, window, bq, 1, out)
+        return out
+    # Too few (query block, kv head) tasks to fill the threads: split the keys too, into a
+    # count that divides evenly among threads (numba's omp prange schedules statically).
+    threads = get_num_threads()
+    tasks = ((n + bq - 1) // bq) * n_head_kv
+    max_split = max(1, n_kv // ATTN_SPLIT_MIN_KEYS)
+    n_split = 1
+    if tasks < 2 * threads and max_split > 1:
+        n_split = -(-2 * threads // tasks)
+        while (tasks * n_split) % threads and n_split < max_split:
+            n_split += 1
+        n_split = min(n_split, max_split)
+    _attn_parallel(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out)
+    return out
