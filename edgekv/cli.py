@@ -268,6 +268,14 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def cmd_synth(args) -> int:
+    from .synth import write_synthetic
+
+    print(write_synthetic(args.out, arch=args.arch, size=args.size, qtype=args.type, seed=args.seed,
+                          progress=not args.quiet))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgekv", description="Quantized GGUF LLM inference with an INT8/INT4 ring-buffer KV cache.")
     p.add_argument("--version", action="version", version=f"edgekv {__version__}")
@@ -343,6 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_perplexity)
+
+    s = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random weights (for benchmarks)")
+    s.add_argument("out", metavar="OUT.gguf")
+    s.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
+    s.add_argument("--size", default="7b", help="llama: tiny, 1b, 7b, 13b; gemma3: tiny, 270m, 1b")
+    s.add_argument("--type", default="q4_0", help="q4_0, q5_0, q8_0, q4_k, q6_k, f16, f32")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_synth)
     return p
 
 

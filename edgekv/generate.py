@@ -56,7 +56,14 @@ class Sequence:
 
     def feed(self, ids: Seq[int]) -> np.ndarray:
         """Append ids, run them through the model; the logits (n_vocab,) after the last one."""
-        logits = self.llm.forward(ids, self.cache, len(self.tokens))
+        try:
+            logits = self.llm.forward(ids, self.cache, len(self.tokens))
+        except BaseException:
+            # Interrupted (Ctrl-C, an error) mid-batch: some layers hold this batch, others not.
+            # Roll every layer back to the tokens we account for, so the cache stays coherent.
+            if not self.cache.trim(len(self.tokens)):
+                self.reset()
+            raise
         self.tokens.extend(int(i) for i in ids)
         return logits[-1]
 
