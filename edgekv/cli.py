@@ -376,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nedgekv: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `edgekv info ... | head`: the reader left, nothing is wrong
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
