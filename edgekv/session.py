@@ -34,14 +34,21 @@ class ChatSession:
         self.seq = Sequence(llm)
         self.stats = Stats()
         self._lock = threading.Lock()
+        self._cached_text: str | None = None  # the text seq.tokens stands for, when known
 
     def messages(self) -> list[dict]:
         sys = [{"role": "system", "content": self.system}] if self.system else []
         return sys + self.history
 
     def _prompt_ids(self) -> list[int]:
+        """Token ids of the rendered conversation. When the new rendering extends the text the
+        cache already holds, only the new tail is tokenized and appended to the cached ids: the
+        cache is reused even where re-tokenizing a reply would split it differently, and even
+        after the ring has dropped old tokens (it cannot roll back then)."""
         text = self.llm.template.render(self.messages(), add_generation_prompt=True)
         tok = self.llm.tokenizer
+        if self.seq.tokens and self._cached_text is not None and text.startswith(self._cached_text):
+            return self.seq.tokens + tok.encode(text[len(self._cached_text):], add_bos=False, special=True)
         has_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
         return tok.encode(text, add_bos=False if has_bos else None, special=True)
 
@@ -63,6 +70,8 @@ class ChatSession:
                 raise
             self.stats = Stats()
             reply = []
+            self._cached_text = None
+            rendered = self.llm.template.render(self.messages(), add_generation_prompt=True)
             try:
                 for e in generate(self.llm, self.seq, ids, self.sampler, max_tokens=max_tokens, stop=stop,
                                   cancel=cancel, stats=self.stats):
@@ -71,6 +80,9 @@ class ChatSession:
             finally:
                 # Whatever was produced (even if cancelled) becomes the assistant's turn.
                 self.history.append({"role": "assistant", "content": "".join(reply)})
+                fed = self.seq.tokens[len(ids):]
+                if self.seq.tokens[: len(ids)] == ids:
+                    self._cached_text = rendered + self.llm.tokenizer.decode(fed)
 
     def regenerate(self, **kw):
         """Drop the last reply and answer the last user message again (the cache rolls back)."""
@@ -86,6 +98,7 @@ class ChatSession:
             self.system = system
         self.history = []
         self.seq.reset()
+        self._cached_text = None
 
     @property
     def n_cached(self) -> int:
@@ -101,7 +114,7 @@ class ChatSession:
             header = dict(
                 format=SESSION_FORMAT, version=SESSION_VERSION, model=self.llm.identity, kv=self.llm.kv_type,
                 n_ctx=self.llm.n_ctx, system=self.system, history=self.history, max_tokens=self.max_tokens,
-                tokens=self.seq.tokens, sampling=params, sampler=self.sampler.state(),
+                tokens=self.seq.tokens, cached_text=self._cached_text, sampling=params, sampler=self.sampler.state(),
                 layers=[dict(n_written=lk.n_written, n_sink=lk.n_sink) for lk in self.seq.cache.layers],
             )
             arrays = {}
@@ -176,6 +189,8 @@ class ChatSession:
                 lk.k[...], lk.v[...], lk.pos[...] = k, v, pos
                 lk.n_written = int(meta["n_written"])
             sess.seq.tokens = tokens
+            cached = h.get("cached_text")
+            sess._cached_text = cached if isinstance(cached, str) else None
         except SessionFileError:
             raise
         except Exception as e:
