@@ -1,11 +1,27 @@
-"""The KV cache: one preallocated ring per layer, never reallocated while generating.
+"""The KV cache: one preallocated ring per layer, in f16, int8 or int4, never reallocated.
 
-A layer's ring holds `capacity` tokens. Until it is full, token i goes to slot i. Once full,
-the first `n_sink` slots stay (attention sinks, StreamingLLM) and the oldest of the rest is
-overwritten. Each slot remembers the position of the token in it (-1 = empty): attention
-masks by positions, so the order of slots never matters.
-
+Ring. A layer's ring holds `capacity` tokens. Until it is full, token i goes to slot i. Once
+full, the first `n_sink` slots keep the first tokens (attention sinks) and the oldest of the
+rest is overwritten, so a chat can run forever in bounded memory. Each slot remembers its
+token's position (-1 = empty); attention masks by position, so slot order never matters.
 Sliding-window layers (gemma3) get a ring of exactly their window and no sinks.
+
+Positions (StreamingLLM). Keys are stored after RoPE at their absolute positions. RoPE scores
+depend only on the distance between query and key, so the window part of a wrapped ring keeps
+its true distances, at most capacity - n_sink - 1: always inside what the model was trained on.
+The sinks would drift ever further away; instead the query is counter-rotated for the sink
+slots (`sink_shift`) so that they sit just before the oldest window token, exactly where
+StreamingLLM's cache-relative positions put them. Nothing is re-quantized when the ring moves.
+
+Quantization. int8 and int4 store groups of 32 values (along head_dim, per token and head) with
+one f16 scale: d = max|x| / 127 (int8) or max|x| / 7 (int4), q = round(x / d); 34 and 18 bytes
+per 32 values (0.53x and 0.28x of f16). Per-token groups keep ring writes local (a token never
+re-quantizes a neighbour). Keys have a few outlier channels that would dominate every group's
+scale, so int keys are stored rotated by a normalized Walsh-Hadamard transform H over head_dim:
+H spreads each outlier across all channels, and since H is orthonormal q.k = (Hq).(Hk): the
+query is rotated once and keys are never un-rotated. (KIVI/KVQuant quantize keys per channel
+instead; that needs groups along tokens, i.e. an f16 staging buffer, which a ring makes awkward.)
+This module is the numpy reference of that layout; kernels_cpu/kvquant.py is the fast one.
 """
 from __future__ import annotations
 
@@ -13,9 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Bytes per cached value, scales included: f16 is the baseline; int8 and int4 store groups of
-# 32 values with one f16 scale each (34 and 18 bytes per group).
-KV_BYTES_PER_VALUE = {"f16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
+from .errors import EdgekvError
+
+GROUP = 32  # values per quantization group (along head_dim)
+KV_KINDS = ("f16", "int8", "int4")
+# Bytes per cached value, scales included.
+KV_BYTES_PER_VALUE = {"f16": 2.0, "int8": (GROUP + 2) / GROUP, "int4": (GROUP // 2 + 2) / GROUP}
+QMAX = {"int8": 127, "int4": 7}
 
 
 def kv_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) -> int:
@@ -23,19 +43,89 @@ def kv_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) ->
     return int(sum(capacities) * 2 * n_head_kv * head_dim * KV_BYTES_PER_VALUE[kind])
 
 
+# -- the numpy reference of the stored layout ----------------------------------------------
+def hadamard_block(hd: int) -> int:
+    """Size of the Hadamard blocks over head_dim: the largest power of two dividing it, <= 256."""
+    b = 1
+    while hd % (b * 2) == 0 and b * 2 <= 256:
+        b *= 2
+    return b
+
+
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """Normalized Walsh-Hadamard transform over the last axis in blocks (its own inverse)."""
+    hd = x.shape[-1]
+    b = hadamard_block(hd)
+    y = x.astype(np.float32).reshape(*x.shape[:-1], hd // b, b).copy()
+    h = 1
+    while h < b:  # butterflies: pairs (i, i + h) within blocks of 2h
+        y = y.reshape(*y.shape[:-1], b // (2 * h), 2, h)
+        a, c = y[..., 0, :].copy(), y[..., 1, :].copy()
+        y[..., 0, :], y[..., 1, :] = a + c, a - c
+        y = y.reshape(*y.shape[:-3], b)
+        h *= 2
+    return (y / np.sqrt(b)).reshape(x.shape).astype(np.float32)
+
+
+def quantize(kind: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (..., hd) float32 -> (q, scale): int8 (..., hd) or packed uint8 (..., hd/2); f16 (..., hd/32)."""
+    g = x.reshape(*x.shape[:-1], -1, GROUP).astype(np.float32)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    d = (amax / QMAX[kind]).astype(np.float16)  # the scale as stored
+    df = d.astype(np.float32)
+    inv = np.divide(1.0, df, out=np.zeros_like(df), where=df > 0)
+    q = np.clip(np.rint(g * inv), -QMAX[kind] - (1 if kind == "int4" else 0), QMAX[kind]).astype(np.int8)
+    q = q.reshape(x.shape)
+    if kind == "int4":
+        u = (q.astype(np.int16) + 8).astype(np.uint8)
+        q = u[..., 0::2] | (u[..., 1::2] << 4)
+    return q, d[..., 0]
+
+
+def dequantize(kind: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    if kind == "int4":
+        lo = (q & 0x0F).astype(np.int8) - 8
+        hi = (q >> 4).astype(np.int8) - 8
+        q = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
+    g = q.reshape(*q.shape[:-1], -1, GROUP).astype(np.float32)
+    return (g * scale.astype(np.float32)[..., None]).reshape(q.shape)
+
+
 @dataclass
 class LayerKV:
-    """One layer's ring. Attention reads k/v where pos >= 0."""
+    """One layer's ring. Attention reads slots where pos >= 0."""
 
-    k: np.ndarray  # (capacity, n_head_kv, head_dim) float16
-    v: np.ndarray  # (capacity, n_head_kv, head_dim) float16
-    pos: np.ndarray  # (capacity,) int64, -1 = empty slot
-    n_sink: int
+    kind: str  # "f16" | "int8" | "int4"
+    k: np.ndarray  # f16 (cap, Hkv, hd) | int8 (cap, Hkv, hd) | uint8 (cap, Hkv, hd/2); int keys Hadamard-rotated
+    v: np.ndarray  # same layout as k (values are not rotated)
+    k_scale: np.ndarray  # f16 (cap, Hkv, hd/32); (1, 1, 1) unused for f16
+    v_scale: np.ndarray
+    pos: np.ndarray  # (cap,) int64, -1 = empty slot
+    n_sink: int  # slots 0..n_sink-1 keep the first tokens forever
+    window: int  # the model's sliding window for this layer (0 = global)
     n_written: int = 0  # tokens ever written (the ring's write cursor)
 
     @property
     def capacity(self) -> int:
         return self.pos.shape[0]
+
+    @property
+    def rotated(self) -> bool:
+        """Keys stored Hadamard-rotated (queries must be rotated the same way)."""
+        return self.kind != "f16"
+
+    @property
+    def span(self) -> int:
+        """How far back (in positions) a query sees the non-sink slots: the model's window, or
+        for a global layer everything the ring keeps, capacity - n_sink tokens including itself."""
+        return self.window or self.capacity - self.n_sink
+
+    def sink_shift(self, q_pos: np.ndarray) -> np.ndarray:
+        """(n,) int64: how far each query must be rotated back for the sink slots. Query p sees
+        the window p - span + 1 .. p; sink i then sits at p - span + 1 - n_sink + i, not at i."""
+        if not self.n_sink:
+            return np.zeros_like(q_pos)
+        return np.maximum(q_pos - self.capacity + 1, 0)
 
     def slots(self, n: int) -> np.ndarray:
         """Slots for the next n tokens, in order (a batch longer than the ring wraps onto itself)."""
@@ -43,18 +133,39 @@ class LayerKV:
         cap, s = self.capacity, self.n_sink
         return np.where(i < cap, i, s + (i - s) % max(cap - s, 1))
 
-    def write(self, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
-        """k, v: (n, n_head_kv, head_dim) float32; pos: (n,) int64."""
-        n = pos.shape[0]
+    def last_writers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(batch indices, slots) of the next n tokens that survive the batch: when a batch
+        wraps the ring, a later token overwrites an earlier one's slot."""
         slots = self.slots(n)
-        if n > self.capacity:  # the batch wraps the ring: keep each slot's last writer
-            _, last = np.unique(slots[::-1], return_index=True)
-            sel = n - 1 - last
-            k, v, pos, slots = k[sel], v[sel], pos[sel], slots[sel]
-        self.k[slots] = k
-        self.v[slots] = v
-        self.pos[slots] = pos
-        self.n_written += n
+        if n <= self.capacity - min(self.n_written, self.capacity) or n <= 1:
+            return np.arange(n), slots
+        _, last = np.unique(slots[::-1], return_index=True)
+        sel = np.sort(n - 1 - last)
+        return sel, slots[sel]
+
+    def write_first(self, n: int) -> bool:
+        """Whether a batch of n can be stored before attention without evicting a key one of its
+        queries needs. One token always can: the slot it takes held the token that just left its
+        span. A longer batch can while it fits the free slots."""
+        return n == 1 or min(self.n_written, self.capacity) + n <= self.capacity
+
+    def write(self, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
+        """Reference write: k, v (n, Hkv, hd) float32 as computed (keys after RoPE); pos (n,)."""
+        sel, slots = self.last_writers(len(pos))
+        k, v = k[sel], v[sel]
+        if self.kind == "f16":
+            self.k[slots], self.v[slots] = k, v
+        else:
+            self.k[slots], self.k_scale[slots] = quantize(self.kind, hadamard(k))
+            self.v[slots], self.v_scale[slots] = quantize(self.kind, v)
+        self.pos[slots] = pos[sel]
+        self.n_written += len(pos)
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """Reference read of the whole ring: (k, v) float32 (cap, Hkv, hd); keys in stored space."""
+        if self.kind == "f16":
+            return self.k.astype(np.float32), self.v.astype(np.float32)
+        return dequantize(self.kind, self.k, self.k_scale), dequantize(self.kind, self.v, self.v_scale)
 
     def reset(self) -> None:
         self.pos[:] = -1
@@ -69,20 +180,38 @@ class LayerKV:
         self.n_written = min(self.n_written, n)
         return True
 
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + (self.k_scale.nbytes + self.v_scale.nbytes if self.kind != "f16" else 0)
+
+
+def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: int, window: int) -> LayerKV:
+    if kind not in KV_KINDS:
+        raise EdgekvError(f"unknown KV cache type {kind!r} (choose {', '.join(KV_KINDS)})")
+    shape = (capacity, n_head_kv, head_dim)
+    if kind == "f16":
+        k, v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+        ks = vs = np.zeros((1, 1, 1), np.float16)
+    else:
+        if head_dim % GROUP:
+            raise EdgekvError(f"{kind} KV cache needs head_dim a multiple of {GROUP}, this model has {head_dim}")
+        width = head_dim if kind == "int8" else head_dim // 2
+        dt = np.int8 if kind == "int8" else np.uint8
+        k, v = np.zeros((capacity, n_head_kv, width), dt), np.zeros((capacity, n_head_kv, width), dt)
+        ks = np.zeros((capacity, n_head_kv, head_dim // GROUP), np.float16)
+        vs = np.zeros_like(ks)
+    return LayerKV(kind, k, v, ks, vs, np.full(capacity, -1, np.int64), min(n_sink, capacity), window)
+
 
 class KVCache:
-    """All layers' rings. `capacities[l]` is layer l's ring size."""
+    """All layers' rings. Layer l keeps `capacities[l]` tokens; `windows[l]` is its sliding window."""
 
-    def __init__(self, capacities: list[int], n_head_kv: int, head_dim: int, n_sink: int = 4, windows: list[int] | None = None):
-        self.layers = []
-        for l, cap in enumerate(capacities):
-            sink = 0 if windows and windows[l] else n_sink
-            self.layers.append(LayerKV(
-                k=np.zeros((cap, n_head_kv, head_dim), np.float16),
-                v=np.zeros((cap, n_head_kv, head_dim), np.float16),
-                pos=np.full(cap, -1, np.int64),
-                n_sink=min(sink, cap),
-            ))
+    def __init__(self, capacities: list[int], n_head_kv: int, head_dim: int, n_sink: int = 4,
+                 windows: list[int] | None = None, kind: str = "f16"):
+        windows = windows or [0] * len(capacities)
+        self.kind = kind
+        self.layers = [new_layer(kind, cap, n_head_kv, head_dim, 0 if w else n_sink, w)
+                       for cap, w in zip(capacities, windows)]
 
     def __getitem__(self, layer: int) -> LayerKV:
         return self.layers[layer]
@@ -101,4 +230,4 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(lk.k.nbytes + lk.v.nbytes for lk in self.layers)
+        return sum(lk.nbytes for lk in self.layers)

@@ -13,7 +13,7 @@ from .backends import get_backend
 from .errors import ContextError, EdgekvError
 from .generate import Event
 from .gguf_file import GGUFFile
-from .kvcache import KVCache
+from .kvcache import KV_KINDS, KVCache
 
 UBATCH = 512  # prefill chunk: bounds activation memory, and the attention working set
 
@@ -29,8 +29,8 @@ class LLM:
 
         if n_ctx < 8:
             raise ContextError(f"n_ctx must be at least 8, got {n_ctx}")
-        if kv not in ("f16",):
-            raise EdgekvError(f"unknown kv cache type {kv!r} (choose f16)")
+        if kv not in KV_KINDS:
+            raise EdgekvError(f"unknown KV cache type {kv!r} (choose {', '.join(KV_KINDS)})")
         self.path = Path(path)
         self.file = GGUFFile(path)
         self.backend = get_backend(device, threads)
@@ -48,12 +48,12 @@ class LLM:
 
     # -- caches ---------------------------------------------------------------------------
     def new_cache(self, kind: str | None = None, *, n_sink: int | None = None) -> KVCache:
-        """An empty KV cache for this model: `kind` (default: the LLM's kv type) and n_ctx
-        tokens per ring; sliding-window layers keep only their window."""
+        """An empty KV cache for this model: `kind` (default: the LLM's kv type), a ring of
+        n_ctx tokens per global layer and of exactly the window per sliding-window layer."""
         windows = self.cfg.windows()
-        caps = [min(w, self.n_ctx) if w else self.n_ctx for w in windows]
+        caps = [w if w else self.n_ctx for w in windows]
         return KVCache(caps, self.cfg.n_head_kv, self.cfg.head_dim, n_sink=self.n_sink if n_sink is None else n_sink,
-                       windows=windows)
+                       windows=windows, kind=kind or self.kv_type)
 
     def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
         """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""

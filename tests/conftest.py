@@ -37,13 +37,13 @@ def open_model(key: str, device: str):
     return f, build_model(f, get_backend(device))
 
 
-def teacher_forced_logits(model, ids: list[int], n_ctx: int = 4096) -> np.ndarray:
+def teacher_forced_logits(model, ids: list[int], n_ctx: int = 4096, kind: str = "f16") -> np.ndarray:
     """Logits after every prefix of ids, prefilled in chunks of 512 like llama.cpp's batches."""
     from edgekv.kvcache import KVCache
 
     cfg = model.cfg
     windows = cfg.windows()
-    cache = KVCache([w if w else n_ctx for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows)
+    cache = KVCache([w if w else n_ctx for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows, kind=kind)
     outs = []
     for s in range(0, len(ids), 512):
         chunk = np.asarray(ids[s : s + 512], dtype=np.int64)

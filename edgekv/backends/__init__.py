@@ -10,9 +10,11 @@ The operations (x float32, n = tokens in the batch):
   rmsnorm(x (..., d), w (d,), eps) -> same shape
   rope(x (n, heads, hd), pos (n,), base, neox, n_rot, scale) -> x rotated (in place where possible)
   silu_mul(g, u) / gelu_mul(g, u) -> act(g) * u
-  attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, window) -> (n, H, hd)
-      q attends to the cached tokens of kv and to this batch's own k/v, causally by position;
-      then the batch's k/v are stored in kv (a backend may store first when nothing needed is evicted).
+  attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, rope) -> (n, H, hd)
+      q attends to the cached tokens of kv and to this batch's own k/v, causally by position and
+      within kv.span; sink slots are seen through q counter-rotated by kv.sink_shift (rope =
+      (base, neox, n_rot, scale)). The batch's k/v are stored in kv: first when kv.write_first(n),
+      else after attending over (ring, batch).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from ..gguf_file import Tensor
-from ..kvcache import LayerKV
+from ..kvcache import LayerKV, hadamard
 
 
 def dequantize_tensor(t: Tensor) -> np.ndarray:
@@ -74,26 +74,40 @@ class ReferenceBackend:
         c = np.float32(np.sqrt(2.0 / np.pi))
         return (0.5 * g * (1.0 + np.tanh(c * (g + 0.044715 * g**3))) * u).astype(np.float32)
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, window: int) -> np.ndarray:
-        live = kv.pos >= 0
-        keys = np.concatenate([kv.k[live].astype(np.float32), k])  # (T, Hkv, hd)
-        vals = np.concatenate([kv.v[live].astype(np.float32), v])
-        k_pos = np.concatenate([kv.pos[live], q_pos])  # (T,)
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple) -> np.ndarray:
         n, H, hd = q.shape
+        if kv.write_first(n):  # nothing this batch needs gets evicted: store, then read back
+            kv.write(k, v, q_pos)
+            fresh_k = np.zeros((0,) + k.shape[1:], np.float32)
+            fresh_v, fresh_pos = fresh_k, q_pos[:0]
+        else:
+            fresh_k, fresh_v, fresh_pos = (hadamard(k) if kv.rotated else k), v, q_pos
+        kk, vv = kv.read()  # (cap, Hkv, hd), keys in stored (maybe rotated) space
+        live = kv.pos >= 0
+        sink = (np.arange(kv.capacity) < kv.n_sink)[live]
+        keys = np.concatenate([kk[live], fresh_k])  # (T, Hkv, hd)
+        vals = np.concatenate([vv[live], fresh_v])
+        k_pos = np.concatenate([kv.pos[live], fresh_pos])
+        sink = np.concatenate([sink, np.zeros(len(fresh_pos), bool)])
+        base, neox, n_rot, rscale = rope
+        q_sink = self.rope(q, -kv.sink_shift(q_pos), base, neox, n_rot, rscale)  # sinks just before the window
+        if kv.rotated:
+            q, q_sink = hadamard(q), hadamard(q_sink)
         group = H // keys.shape[1]  # query head h reads kv head h // group
         keys = np.repeat(keys, group, axis=1)  # (T, H, hd)
         vals = np.repeat(vals, group, axis=1)
-        s = np.einsum("nhd,thd->hnt", q, keys) * np.float32(scale)  # (H, n, T)
+        s = np.einsum("nhd,thd->hnt", q, keys)  # (H, n, T)
+        s_sink = np.einsum("nhd,thd->hnt", q_sink, keys)
+        s = np.where(sink[None, None, :], s_sink, s) * np.float32(scale)
         dist = q_pos[:, None] - k_pos[None, :]  # (n, T)
-        masked = dist < 0
-        if window:
-            masked |= dist >= window
+        masked = (dist < 0) | ((dist >= kv.span) & ~sink[None, :])  # sinks: causal, but never out of span
         s = np.where(masked[None], -np.inf, s)
         s = s - s.max(axis=-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
         out = np.einsum("hnt,thd->nhd", p, vals).astype(np.float32)
-        kv.write(k, v, q_pos)
+        if len(fresh_pos):
+            kv.write(k, v, q_pos)
         return out
 
     def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
