@@ -96,8 +96,10 @@ def streaming_case(model, kind, cap, n_sink, n_tokens, seed=0):
 
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 def test_wrapped_ring_equals_streamingllm_recompute(device):
-    got, want = streaming_case(tiny("llama", device, n_layer=1), "f16", cap=12, n_sink=4, n_tokens=30)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    got, want = streaming_case(tiny("llama", device, n_layer=1), "f16", cap=12, n_sink=4, n_tokens=60)
+    # reference: 2e-5. cpu: ~1.1e-2, since its decode matvecs use int8 activations and the
+    # recompute's batch does not. Without the sink shift both land at ~7e-2.
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-3 if device == "reference" else 2.5e-2)
     assert got.argmax() == want.argmax()
 
 

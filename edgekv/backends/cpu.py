@@ -60,10 +60,10 @@ class CPUBackend:
     name = "cpu"
 
     def __init__(self, threads: int | None = None):
-        from ..kernels_cpu import ops, qmatmul
+        from ..kernels_cpu import kvquant, ops, qmatmul
 
         self.threads = _init_numba(threads)
-        self.ops, self.qm = ops, qmatmul
+        self.ops, self.qm, self.kvq = ops, qmatmul, kvquant
 
     # -- weights ---------------------------------------------------------------------
     def prepare(self, t: Tensor) -> Weight:
@@ -111,19 +111,39 @@ class CPUBackend:
     def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.ops.add_(a, np.ascontiguousarray(b))
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, window: int) -> np.ndarray:
-        q = np.ascontiguousarray(q)
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple) -> np.ndarray:
+        kq = self.kvq
         n = q_pos.shape[0]
-        live = int(min(kv.n_written, kv.capacity))
-        if live + n <= kv.capacity or (n == 1 and window and kv.capacity >= window):
-            # Nothing this batch needs gets evicted (a one-token step on a window-sized ring only
-            # evicts the key that just left the window): store first, then attend in place.
-            kv.write(k, v, q_pos)
-            return self.ops.attention(q, kv.k, kv.v, q_pos, kv.pos, scale, window)
-        # The ring wraps inside this batch: attend over (cache, batch) explicitly, then store.
-        keep = kv.pos >= 0
-        kk = np.concatenate([kv.k[keep], k.astype(np.float16)])
-        vv = np.concatenate([kv.v[keep], v.astype(np.float16)])
-        out = self.ops.attention(q, kk, vv, q_pos, np.concatenate([kv.pos[keep], q_pos]), scale, window)
-        kv.write(k, v, q_pos)
+        q = np.ascontiguousarray(q)
+        shift = kv.sink_shift(q_pos)
+        q_sink = None
+        if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
+            base, neox, n_rot, rscale = rope
+            q_sink = self.ops.rope(q.copy(), -shift, base, neox, n_rot, rscale)
+        if kv.rotated:
+            q = kq.hadamard_(q.copy())
+            if q_sink is not None:
+                kq.hadamard_(q_sink)
+        k = np.ascontiguousarray(k, dtype=np.float32)
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        if kv.write_first(n):
+            self._store(kv, k, v, q_pos)
+            fk = fv = fpos = None
+        else:  # attend over (ring, this batch), then store
+            fk = kq.hadamard_(k.copy()) if kv.rotated else k
+            fv, fpos = v, q_pos
+        out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
+                              fk, fv, fpos, scale, kv.span, False)
+        if fk is not None:
+            self._store(kv, k, v, q_pos)
         return out
+
+    def _store(self, kv: LayerKV, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
+        n = len(pos)
+        sel, slots = kv.last_writers(n)
+        if len(sel) != n:  # the batch wraps the ring: only each slot's last writer lands
+            k, v, pos = np.ascontiguousarray(k[sel]), np.ascontiguousarray(v[sel]), pos[sel]
+        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, kv.rotated)
+        self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False)
+        kv.pos[slots] = pos
+        kv.n_written += n
