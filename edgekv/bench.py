@@ -57,11 +57,11 @@ def peak_rss_bytes() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Best-of-reps read bandwidth in bytes/s of a vectorized parallel sum over `nbytes`."""
+def measure_read_bandwidth() -> float:
+    """Read bandwidth in bytes/s with numba's current thread count (kernels_cpu.membw)."""
     from .kernels_cpu.membw import read_bandwidth
 
-    return read_bandwidth(nbytes, reps)
+    return read_bandwidth()
 
 
 def decode_weight_bytes(llm) -> int:
@@ -163,7 +163,7 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
         runtimes.append(LlamaCppRunner)
     rows = []
     bar = tqdm(total=len(cases) * len(runtimes) * (reps + 1), desc="bench", file=sys.stderr, disable=not progress)
-    bandwidth = measure_read_bandwidth(max(threads))
+    bandwidth = measure_read_bandwidth()
     rng = np.random.default_rng(seed)
     by_setup: dict = {}
     for c in cases:

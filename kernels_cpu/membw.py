@@ -3,33 +3,45 @@ from __future__ import annotations
 
 import time
 
-import numba as nb
+import numba
 import numpy as np
+from numba import njit, prange
+
+from . import qmatmul as qm
 
 
-@nb.njit(cache=True, parallel=True, fastmath=True)
-def _sum_chunks(a, n_chunks):
-    # a: (n,) float32. Each thread sums contiguous chunks; the inner loop is a plain reduction
-    # over a contiguous slice, which LLVM vectorizes (several ymm/zmm accumulators).
+@njit(cache=True, parallel=True, fastmath=True)
+def _read_all(a, n_chunks):
+    # a: (n,) float32 summed by n_chunks contiguous chunks with 4 explicit 16-lane accumulators:
+    # wide loads back to back, as the matvec kernels issue them. (A plain `s += a[i]` loop
+    # reads at a fraction of this: numba leaves it scalar or gathers.)
     part = np.zeros(n_chunks, np.float32)
-    step = (a.shape[0] + n_chunks - 1) // n_chunks
-    for c in nb.prange(n_chunks):
-        s = np.float32(0.0)
-        for i in range(c * step, min((c + 1) * step, a.shape[0])):
-            s += a[i]
-        part[c] = s
+    step = a.size // n_chunks // 64 * 64
+    for c in prange(n_chunks):
+        a0 = qm.splat(np.float32(0), 16)
+        a1, a2, a3 = a0, a0, a0
+        i = c * step
+        while i < c * step + step:
+            a0 = qm.vadd(a0, qm.ld(a, i, 16))
+            a1 = qm.vadd(a1, qm.ld(a, i + 16, 16))
+            a2 = qm.vadd(a2, qm.ld(a, i + 32, 16))
+            a3 = qm.vadd(a3, qm.ld(a, i + 48, 16))
+            i += 64
+        part[c] = qm.hsum(qm.vadd(qm.vadd(a0, a1), qm.vadd(a2, a3)))
     return part.sum()
 
 
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Best read bandwidth (bytes/s) over `reps` parallel sums of an nbytes array, with numba's
-    current thread count."""
+def read_bandwidth(nbytes: int = 1 << 30, part: int = 128 << 20, reps: int = 16) -> float:
+    """Best bytes/s of parallel reads (numba's current thread count) of `part`-byte slices taken
+    in turn from an nbytes array: short timings like the decode calls, never cache-resident."""
     a = np.ones(nbytes // 4, np.float32)
-    chunks = 64 * nb.get_num_threads()
-    _sum_chunks(a[:1024], chunks)  # compile outside the timing
+    chunks = numba.get_num_threads()
+    _read_all(a[: 1 << 16], chunks)
+    n = part // 4
     best = float("inf")
-    for _ in range(reps):
+    for r in range(reps):
+        s = a[(r % (a.size // n)) * n :][:n]
         t = time.perf_counter()
-        _sum_chunks(a, chunks)
+        _read_all(s, chunks)
         best = min(best, time.perf_counter() - t)
-    return a.nbytes / best
+    return chunks * (n // chunks // 64 * 64) * 4 / best

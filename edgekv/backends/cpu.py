@@ -1,7 +1,6 @@
 """The CPU backend: the numba kernels of kernels_cpu/ behind the backend interface.
 
-Weights stay as raw GGUF blocks in the memory map; the only copies made are the fused
-QKV and gate+up matrices (same-type rows stacked so one parallel region computes them all).
+Weights stay as raw GGUF blocks in the memory map, never copied or dequantized.
 """
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ def _init_numba(threads: int | None) -> int:
 
 @dataclass(frozen=True)
 class Weight:
-    raw: np.ndarray  # uint8 (n_out, row_bytes), GGUF blocks
+    raw: np.ndarray | tuple  # uint8 (n_out, row_bytes) GGUF blocks, or a tuple of same-type ones (fused)
     qtype: int
     n_out: int
     n_in: int
@@ -69,19 +68,18 @@ class CPUBackend:
     def prepare(self, t: Tensor) -> Weight:
         return Weight(t.raw, t.qtype, t.shape[0], t.shape[-1])
 
-    def fuse(self, ts: list[Tensor]) -> tuple[Weight, ...]:
-        """Stack runs of same-type matrices; returns the parts in order (usually one)."""
+    def fuse(self, ts: list[Tensor]):
+        """Same-type matrices on one input (QKV, gate+up) go to qmatmul as one tuple: one
+        parallel region, outputs side by side, the memory-mapped weights never copied.
+        Mixed types (gemma3's Q5_0 q/k beside a Q8_0 v) are runs of same-type tuples."""
         parts: list[list[Tensor]] = []
         for t in ts:
-            if parts and parts[-1][-1].qtype == t.qtype and parts[-1][-1].shape[-1] == t.shape[-1]:
+            if parts and parts[-1][-1].qtype == t.qtype and len(parts[-1]) < 3:
                 parts[-1].append(t)
             else:
                 parts.append([t])
-        out = []
-        for group in parts:
-            raw = group[0].raw if len(group) == 1 else np.concatenate([t.raw for t in group])
-            out.append(Weight(raw, group[0].qtype, raw.shape[0], group[0].shape[-1]))
-        return tuple(out)
+        return tuple(Weight(tuple(t.raw for t in g) if len(g) > 1 else g[0].raw, g[0].qtype,
+                            sum(t.shape[0] for t in g), g[0].shape[-1]) for g in parts)
 
     # -- ops -------------------------------------------------------------------------
     def matmul(self, x: np.ndarray, w) -> np.ndarray:

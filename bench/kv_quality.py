@@ -1,0 +1,90 @@
+"""KV-cache quality: KL divergence and top-1 agreement of int8/int4 caches against the f16
+cache, for edgekv and (when llama-cpp-python is importable) llama.cpp's q8_0/q4_0 caches on
+the same tokens in the same run; plus the streaming test (a text 4x the ring, sinks on/off).
+
+    python bench/kv_quality.py [--tokens 4096] [--ctx 512] [--models smollm2,gemma3] [--stream 512]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgekv.hub import resolve
+from edgekv.llm import LLM
+from edgekv.perplexity import perplexity, streaming_nll
+
+TEXT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "text_en.txt"
+MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+
+
+def llamacpp_kl(path, ids, n_ctx, kinds=("q8_0", "q4_0")) -> dict:
+    """llama.cpp's own quantized caches against its own f16 cache, same windows and scoring."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return {}
+    ggml = {"f16": 1, "q8_0": 8, "q4_0": 2}
+
+    def logprobs(kind):
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                              type_k=ggml[kind], type_v=ggml[kind], flash_attn=True, n_threads=2, verbose=False)
+        out = []
+        for w in range(len(ids) // n_ctx):
+            llm.reset()
+            llm.eval(ids[w * n_ctx : (w + 1) * n_ctx])
+            x = np.asarray(llm.scores[:n_ctx], dtype=np.float64)[n_ctx // 2 : -1]
+            out.append(x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+        return np.concatenate(out)
+
+    base = logprobs("f16")
+    p = np.exp(base)
+    res = {}
+    for k in kinds:
+        lp = logprobs(k)
+        kl = np.sum(p * (base - lp), axis=-1)
+        res[k] = dict(mean_kl=float(kl.mean()), p99_kl=float(np.percentile(kl, 99)),
+                      top1_agreement=float((base.argmax(-1) == lp.argmax(-1)).mean()))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--stream", type=int, default=512, help="ring size for the streaming test (0 = skip)")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    text = TEXT.read_text()
+    report = {}
+    for key in args.models.split(","):
+        path = resolve(MODELS[key])
+        llm = LLM(path, n_ctx=args.ctx, threads=args.threads)
+        ids = llm.tokenize(text, special=False)[: args.tokens]
+        t = time.time()
+        r = dict(tokens=len(ids), n_ctx=args.ctx)
+        r["edgekv"] = perplexity(llm, ids, n_ctx=args.ctx, kinds=("f16", "int8", "int4"), kl_base="f16")
+        r["llama.cpp"] = llamacpp_kl(path, ids, args.ctx)
+        if args.stream:
+            # Perplexity inside one ring vs far past it (4x), sinks on and off.
+            s = LLM(path, n_ctx=args.stream, threads=args.threads)
+            long = ids[: 4 * args.stream]
+            inside = float(np.exp(streaming_nll(s, long[: args.stream], "f16", 4, progress=False).mean()))
+            st = dict(ring=args.stream, tokens=len(long), ppl_inside_ring=inside)
+            for kind in ("f16", "int4"):
+                for sinks in (4, 0):
+                    nll = streaming_nll(s, long, kind, sinks)
+                    st[f"{kind}_sinks{sinks}_ppl_last_ring"] = float(np.exp(nll[-args.stream :].mean()))
+            r["streaming"] = st
+        r["seconds"] = round(time.time() - t, 1)
+        report[key] = r
+        print(json.dumps({key: r}, indent=2), flush=True)
+    Path(__file__).with_suffix(".json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

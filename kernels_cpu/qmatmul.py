@@ -1,0 +1,1164 @@
+"""Matrix products on GGUF weights as they lie in the memory-mapped file.
+
+A weight of shape (out_features, in_features) is a uint8 array w (rows, row_bytes): each row is
+its in_features weights packed in the blocks of its GGML type. Nothing here dequantizes a whole
+matrix; rows are decoded a block at a time, in registers.
+
+- qmatmul(x, w, qtype): x (n, k) float32 -> (n, m) = x @ W.T; w may be a tuple of up to 3
+  weights of one type (fused QKV, gate+up) whose outputs come side by side.
+  Up to SMALL_N tokens (decode): memory-bound. Each weight row is read once from memory and
+  dotted with the activations, quantized per call to int8 the way llama.cpp does (Q8_0-like
+  blocks of 32 for the 32-element types, Q8_K-like blocks of 256 with per-16 sums for the K
+  types): unsigned quants x int8 activations (vpdpbusd, pmaddubsw + pmaddwd / vpdpwssd), one
+  float FMA per block (per 256 weights for K types).
+  More tokens (prefill): compute-bound. A tile of rows is decoded to float once and a register
+  tile of rows x 32 tokens accumulates over k with broadcast-FMA (float32 throughout).
+- dequantize_rows(w, qtype, rows, out): float32 rows (embedding lookup), same block decoders.
+
+numba's loop vectorizer does not vectorize these loops (short per-block loops over array-of-
+struct blocks), so the kernels use a small vector layer (Vec: an LLVM vector value held in
+registers, operated on by @intrinsic functions). It emits target-neutral LLVM vector IR, except
+for a few x86 integer-product instructions chosen from the host's features with generic
+fallbacks; LLVM picks AVX-512/AVX2/NEON code.
+"""
+from __future__ import annotations
+
+import platform
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from edgekv.errors import EdgekvError, UnsupportedModelError
+from edgekv.quants import QUANT_TYPES
+
+# GGML type ids (edgekv/quants.py is the table; repeated here as compile-time constants).
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+SUPPORTED = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+_FLOAT_TYPES = (F32, F16, BF16)
+
+SMALL_N = 7  # up to this many tokens: integer dots on rows read once (decode); measured crossover ~8
+_CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
+_ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
+_TOK = 32
+
+f32, i16, i32 = np.float32, np.int16, np.int32
+
+
+# ---------------------------------------------------------------------------------------------
+# Vector layer: Vec(dtype, n) is an LLVM <n x dtype> value; the functions below are intrinsics.
+# ---------------------------------------------------------------------------------------------
+class Vec(types.Type):
+    def __init__(self, dtype, n):
+        self.dtype, self.n = dtype, n
+        super().__init__(name=f"Vec({dtype}x{n})")
+
+
+@register_model(Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        elem = dmm.lookup(fe_type.dtype).get_value_type()
+        super().__init__(dmm, fe_type, ir.VectorType(elem, fe_type.n))
+
+
+_I32 = ir.IntType(32)
+_FAST = ("fast",)
+try:  # what numba compiles for: the host CPU
+    _FEATURES = dict(llvm.get_host_cpu_features())
+except RuntimeError:  # LLVM cannot tell on some hosts: generic code only
+    _FEATURES = {}
+# Use the hardware half->float conversion (vcvtph2ps, fcvt) where LLVM lowers it inline.
+_machine = platform.machine().lower()
+_NATIVE_F16 = (_machine in ("x86_64", "amd64") and bool(_FEATURES.get("f16c"))) or _machine in ("arm64", "aarch64")
+
+
+def _lanes(n, fn):
+    return ir.Constant(ir.VectorType(_I32, n), [fn(i) for i in range(n)])
+
+
+def _elem_ptr(context, builder, arrty, arr, idx, idxty):
+    data = context.make_array(arrty)(context, builder, arr).data
+    return builder.gep(data, [context.cast(builder, idx, idxty, types.intp)])
+
+
+def _splat_ir(builder, val, n):
+    vt = ir.VectorType(val.type, n)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), val, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), _lanes(n, lambda i: 0))
+
+
+def _half_to_float(builder, h):
+    """h: i16 or <n x i16> holding IEEE halves -> float / <n x float>."""
+    n = h.type.count if isinstance(h.type, ir.VectorType) else None
+    vec = (lambda t: ir.VectorType(t, n)) if n else (lambda t: t)
+    if _NATIVE_F16:
+        return builder.fpext(builder.bitcast(h, vec(ir.HalfType())), vec(ir.FloatType()))
+    c = (lambda v: ir.Constant(vec(_I32), [v] * n)) if n else (lambda v: ir.Constant(_I32, v))
+    x = builder.zext(h, vec(_I32))
+    sign = builder.shl(builder.and_(x, c(0x8000)), c(16))
+    em = builder.and_(x, c(0x7FFF))
+    normal = builder.add(builder.shl(em, c(13)), c(112 << 23))
+    special = builder.or_(builder.shl(em, c(13)), c(0x7F800000))
+    bits = builder.select(builder.icmp_unsigned(">=", em, c(0x7C00)), special, normal)
+    fvec = vec(ir.FloatType())
+    sub = builder.fmul(builder.uitofp(em, fvec), builder.bitcast(c(103 << 23), fvec))  # em * 2**-24
+    sub_bits = builder.bitcast(sub, vec(_I32))
+    bits = builder.select(builder.icmp_unsigned("<", em, c(0x400)), sub_bits, bits)
+    return builder.bitcast(builder.or_(bits, sign), fvec)
+
+
+def _load(builder, ptr, llty):
+    return builder.load(builder.bitcast(ptr, llty.as_pointer()), align=1)
+
+
+@intrinsic
+def ld(typingctx, arr, i, n):
+    """Vec of n elements arr[i:i+n]."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    vt = Vec(arr.dtype, n.literal_value)
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return _load(builder, ptr, context.get_value_type(vt))
+
+    return vt(arr, i, n), codegen
+
+
+@intrinsic
+def at(typingctx, arr, i):
+    """arr[i] for a non-negative i (no wraparound test: hot loops index with computed offsets)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]))
+
+    return arr.dtype(arr, i), codegen
+
+
+@intrinsic
+def st(typingctx, arr, i, v):
+    """arr[i:i+n] = v."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, v), codegen
+
+
+def _make_ld_float(kind):
+    @intrinsic
+    def ldf(typingctx, arr, byte, n):
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+        cnt = n.literal_value
+        vt = Vec(types.float32, cnt)
+
+        def codegen(context, builder, sig, args):
+            ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            if kind == "f32":
+                return _load(builder, ptr, ir.VectorType(ir.FloatType(), cnt))
+            h = _load(builder, ptr, ir.VectorType(ir.IntType(16), cnt))
+            if kind == "f16":
+                return _half_to_float(builder, h)
+            i32v = ir.VectorType(_I32, cnt)
+            wide = builder.shl(builder.zext(h, i32v), ir.Constant(i32v, [16] * cnt))  # bf16: top half
+            return builder.bitcast(wide, ir.VectorType(ir.FloatType(), cnt))
+
+        return vt(arr, byte, n), codegen
+
+    return ldf
+
+
+ld_f32 = _make_ld_float("f32")  # n float32 at byte offset of a uint8 array
+ld_f16 = _make_ld_float("f16")  # n float16 -> float32
+ld_bf16 = _make_ld_float("bf16")  # n bfloat16 -> float32
+
+
+@intrinsic
+def half(typingctx, arr, byte):
+    """The float16 at arr[byte:byte+2] (little-endian) as float32."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return _half_to_float(builder, _load(builder, ptr, ir.IntType(16)))
+
+    return types.float32(arr, byte), codegen
+
+
+@intrinsic
+def half2(typingctx, arr, byte):
+    """The two float16 at arr[byte:byte+4] as a pair of float32 (one conversion)."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        f = _half_to_float(builder, _load(builder, ptr, ir.VectorType(ir.IntType(16), 2)))
+        pair = [builder.extract_element(f, ir.Constant(_I32, i)) for i in range(2)]
+        return context.make_tuple(builder, sig.return_type, pair)
+
+    return types.UniTuple(types.float32, 2)(arr, byte), codegen
+
+
+@intrinsic
+def halves(typingctx, arr, byte, stride, n):
+    """Vec(float32, n) of the float16 at arr[byte + j * stride] for j < n (a scale of n blocks)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    cnt = n.literal_value
+
+    def codegen(context, builder, sig, args):
+        i16 = ir.IntType(16)
+        base = context.cast(builder, args[1], sig.args[1], types.intp)
+        step = context.cast(builder, args[2], sig.args[2], types.intp)
+        v = ir.Constant(ir.VectorType(i16, cnt), ir.Undefined)
+        for j in range(cnt):
+            at_j = builder.add(base, builder.mul(step, ir.Constant(base.type, j)))
+            ptr = _elem_ptr(context, builder, sig.args[0], args[0], at_j, types.intp)
+            v = builder.insert_element(v, _load(builder, ptr, i16), ir.Constant(_I32, j))
+        return _half_to_float(builder, v)
+
+    return Vec(types.float32, cnt)(arr, byte, stride, n), codegen
+
+
+@intrinsic
+def bits(typingctx, arr, byte, n):
+    """Vec(uint8, n): lane j = bit j of the little-endian bit string at arr[byte:]."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    cnt = n.literal_value
+    vt = Vec(types.uint8, cnt)
+
+    def codegen(context, builder, sig, args):
+        i8 = ir.IntType(8)
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        raw = _load(builder, ptr, ir.VectorType(i8, cnt // 8))
+        spread = builder.shuffle_vector(raw, raw, _lanes(cnt, lambda j: j >> 3))
+        mask = ir.Constant(ir.VectorType(i8, cnt), [1 << (j & 7) for j in range(cnt)])
+        hit = builder.icmp_unsigned("!=", builder.and_(spread, mask), ir.Constant(ir.VectorType(i8, cnt), [0] * cnt))
+        return builder.zext(hit, ir.VectorType(i8, cnt))
+
+    return vt(arr, byte, n), codegen
+
+
+def _cast(builder, val, src, dst, llty):
+    if isinstance(dst, types.Float):
+        if isinstance(src, types.Float):
+            return builder.fpext(val, llty) if dst.bitwidth > src.bitwidth else val
+        return builder.sitofp(val, llty) if src.signed else builder.uitofp(val, llty)
+    if src.bitwidth < dst.bitwidth:
+        return builder.sext(val, llty) if src.signed else builder.zext(val, llty)
+    if src.bitwidth > dst.bitwidth:
+        return builder.trunc(val, llty)
+    return val
+
+
+@intrinsic
+def cvt(typingctx, v, dtype):
+    """Element-wise conversion: integer widening/narrowing (sign from the source), int -> float."""
+    dst = dtype.dtype if isinstance(dtype, types.NumberClass) else dtype
+    vt = Vec(dst, v.n)
+
+    def codegen(context, builder, sig, args):
+        return _cast(builder, args[0], v.dtype, dst, context.get_value_type(vt))
+
+    return vt(v, dtype), codegen
+
+
+@intrinsic
+def view(typingctx, v, dtype):
+    """The same bits as a Vec of another element type (lane count scales)."""
+    dst = dtype.dtype if isinstance(dtype, types.NumberClass) else dtype
+    vt = Vec(dst, v.n * v.dtype.bitwidth // dst.bitwidth)
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], context.get_value_type(vt))
+
+    return vt(v, dtype), codegen
+
+
+@intrinsic
+def lane(typingctx, v, i):
+    """Lane i of v (a constant i after inlining lets LLVM fold lane + splat into one shuffle)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
+
+    return v.dtype(v, i), codegen
+
+
+def shuffler(*mask):
+    """An intrinsic f(v) -> Vec whose lane i is v's lane mask[i] (a constant permutation)."""
+
+    @intrinsic
+    def shuffle(typingctx, v):
+        vt = Vec(v.dtype, len(mask))
+
+        def codegen(context, builder, sig, args):
+            return builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(_I32, len(mask)), list(mask)))
+
+        return vt(v), codegen
+
+    return shuffle
+
+
+@intrinsic
+def splat(typingctx, s, n):
+    """Vec of n copies of scalar s."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    vt = Vec(s, n.literal_value)
+
+    def codegen(context, builder, sig, args):
+        return _splat_ir(builder, args[0], vt.n)
+
+    return vt(s, n), codegen
+
+
+def _make_binop(fop, iop):
+    @intrinsic
+    def op(typingctx, a, b):
+        if not isinstance(a, Vec):
+            return None
+
+        def codegen(context, builder, sig, args):
+            x, y = args
+            if not isinstance(sig.args[1], Vec):  # scalar operand: broadcast in a's type
+                y = _splat_ir(builder, context.cast(builder, y, sig.args[1], a.dtype), a.n)
+            if isinstance(a.dtype, types.Float):
+                return getattr(builder, fop)(x, y, flags=_FAST)
+            return getattr(builder, iop)(x, y)
+
+        return a(a, b), codegen
+
+    return op
+
+
+vadd = _make_binop("fadd", "add")
+vsub = _make_binop("fsub", "sub")
+vmul = _make_binop("fmul", "mul")
+vand = _make_binop(None, "and_")
+vor = _make_binop(None, "or_")
+vshr = _make_binop(None, "lshr")  # logical shift: use on unsigned lanes
+vshl = _make_binop(None, "shl")
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c (fast-math: LLVM fuses it)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(builder.fmul(args[0], args[1], flags=_FAST), args[2], flags=_FAST)
+
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def cat(typingctx, a, b):
+    """Concatenation of two Vecs of the same type."""
+    vt = Vec(a.dtype, 2 * a.n)
+
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[1], _lanes(vt.n, lambda i: i))
+
+    return vt(a, b), codegen
+
+
+# Integer products. On x86 they call the instructions' intrinsics (written as generic IR, LLVM
+# sees e.g. that Q4_K's products are non-negative, rewrites the sign extensions and loses the
+# pmaddwd pattern); elsewhere generic IR with the same results (no saturation occurs: every
+# caller keeps |pair sums| < 2**15).
+def _x86(*needs):
+    return all(_FEATURES.get(f) for f in needs)
+
+
+# operand lanes -> the instruction's LLVM intrinsic, where the host has it
+_PMADDWD = {n: name for n, name, ok in (
+    (32, "llvm.x86.avx512.pmaddw.d.512", _x86("avx512bw")),
+    (16, "llvm.x86.avx2.pmadd.wd", _x86("avx2")),
+) if ok}
+_PMADDUBSW = {n: name for n, name, ok in (
+    (64, "llvm.x86.avx512.pmaddubs.w.512", _x86("avx512bw")),
+    (32, "llvm.x86.avx2.pmadd.ub.sw", _x86("avx2")),
+) if ok}
+_VPDPBUSD = {n: name for n, name, ok in (
+    (64, "llvm.x86.avx512.vpdpbusd.512", _x86("avx512vnni", "avx512bw")),
+    (32, "llvm.x86.avx512.vpdpbusd.256", _x86("avx512vnni", "avx512vl") or _x86("avxvnni")),
+) if ok}
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _halves(builder, a, b, n, fn):
+    """fn on the two halves of (a, b) -> concatenated results (AVX2: 256-bit at a time)."""
+    pick = [_lanes(n // 2, lambda i, h=h: i + h * (n // 2)) for h in range(2)]
+    r = [fn(builder, builder.shuffle_vector(a, a, p), builder.shuffle_vector(b, b, p), n // 2) for p in pick]
+    return builder.shuffle_vector(r[0], r[1], _lanes(2 * r[0].type.count, lambda i: i))
+
+
+def _pairs(builder, v, n):
+    """Adjacent lanes of v (n lanes) summed -> n/2 lanes."""
+    even = builder.shuffle_vector(v, v, _lanes(n // 2, lambda i: 2 * i))
+    odd = builder.shuffle_vector(v, v, _lanes(n // 2, lambda i: 2 * i + 1))
+    return builder.add(even, odd)
+
+
+def _madd_ir(builder, a, b, n):
+    """int16 x int16 (n lanes) -> int32 (n/2), adjacent products summed."""
+    if n in _PMADDWD:
+        return _call(builder, _PMADDWD[n], ir.VectorType(_I32, n // 2), [a, b])
+    if n > 16 and 16 in _PMADDWD:
+        return _halves(builder, a, b, n, _madd_ir)
+    wide = ir.VectorType(_I32, n)
+    return _pairs(builder, builder.mul(builder.sext(a, wide), builder.sext(b, wide)), n)
+
+
+def _maddubs_ir(builder, a, b, n):
+    """uint8 x int8 (n lanes) -> int16 (n/2), adjacent products summed."""
+    if n in _PMADDUBSW:
+        return _call(builder, _PMADDUBSW[n], ir.VectorType(ir.IntType(16), n // 2), [a, b])
+    if n > 32 and 32 in _PMADDUBSW:
+        return _halves(builder, a, b, n, _maddubs_ir)
+    wide = ir.VectorType(ir.IntType(16), n)
+    return _pairs(builder, builder.mul(builder.zext(a, wide), builder.sext(b, wide)), n)
+
+
+def _dot4_ir(builder, a, b, n, acc=None):
+    """uint8 x int8 (n lanes) -> int32 (n/4), groups of 4 adjacent products summed, plus acc
+    (vpdpbusd)."""
+    i32v = ir.VectorType(_I32, n // 4)
+    if n in _VPDPBUSD:
+        acc = acc if acc is not None else ir.Constant(i32v, [0] * (n // 4))
+        return _call(builder, _VPDPBUSD[n], i32v, [acc, builder.bitcast(a, i32v), builder.bitcast(b, i32v)])
+    if n > 32 and 32 in _VPDPBUSD:
+        r = _halves(builder, a, b, n, _dot4_ir)
+    else:  # exact for all uint8 x int8 (pmaddubsw could saturate): widen, pmaddwd, pair up
+        wide = ir.VectorType(ir.IntType(16), n)
+        r = _pairs(builder, _madd_ir(builder, builder.zext(a, wide), builder.sext(b, wide), n), n // 2)
+    return r if acc is None else builder.add(acc, r)
+
+
+def _make_product(ir_fn, out_type, div, doc):
+    @intrinsic
+    def product(typingctx, a, b):
+        vt = Vec(out_type, a.n // div)
+
+        def codegen(context, builder, sig, args):
+            return ir_fn(builder, args[0], args[1], a.n)
+
+        return vt(a, b), codegen
+
+    product.__doc__ = doc
+    return product
+
+
+madd = _make_product(_madd_ir, types.int32, 2, "int16 x int16 -> int32 pair sums (pmaddwd; vpdpwssd when summed)")
+maddubs = _make_product(_maddubs_ir, types.int16, 2, "uint8 x int8 -> int16 pair sums (pmaddubsw)")
+dot4 = _make_product(_dot4_ir, types.int32, 4, "uint8 x int8 -> int32 sums of 4 (vpdpbusd)")
+
+
+@intrinsic
+def dot4acc(typingctx, acc, a, b):
+    """acc + dot4(a, b) (the accumulating form of vpdpbusd)."""
+
+    def codegen(context, builder, sig, args):
+        return _dot4_ir(builder, args[1], args[2], a.n, args[0])
+
+    return acc(acc, a, b), codegen
+
+
+@intrinsic
+def hsum(typingctx, v):
+    """Sum of the lanes (tree order)."""
+
+    def codegen(context, builder, sig, args):
+        x, n = args[0], v.n
+        while n > 1:
+            n //= 2
+            lo = builder.shuffle_vector(x, x, _lanes(n, lambda i: i))
+            hi = builder.shuffle_vector(x, x, _lanes(n, lambda i: i + n))
+            x = builder.fadd(lo, hi, flags=_FAST) if isinstance(v.dtype, types.Float) else builder.add(lo, hi)
+        return builder.extract_element(x, ir.Constant(_I32, 0))
+
+    return v.dtype(v), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization (per call, per token row).
+# ---------------------------------------------------------------------------------------------
+@njit(cache=True, fastmath=True)
+def _quantize_q8(x, bs, xq, xd, xsum, bsum):
+    """x (k,) -> xq (k,) int8, xd (k/bs,) scale per block of bs,
+    xsum (k/bs,) = xd * sum of the block's xq, bsum (k/16,) int sums of xq per 16 (K types)."""
+    for b in range(x.size // bs):
+        amax = f32(0)
+        for i in range(b * bs, b * bs + bs):
+            amax = max(amax, abs(x[i]))
+        d = amax / f32(127)
+        inv = f32(127) / amax if amax > 0 else f32(0)
+        total = 0
+        for i in range(b * bs, b * bs + bs):
+            q = np.int8(np.rint(x[i] * inv))
+            xq[i] = q
+            total += q
+        xd[b] = d
+        xsum[b] = d * f32(total)
+    for j in range(x.size // 16):
+        s = 0
+        for i in range(j * 16, j * 16 + 16):
+            s += xq[i]
+        bsum[j] = s
+
+
+# ---------------------------------------------------------------------------------------------
+# Block decoders: each type's layout is written once, here, and shared by the integer dot (decode)
+# and the float dequantization (prefill, get_rows). Quants come out as unsigned bytes (uint8 x 32,
+# elements in GGML order) so that they multiply int8 activations directly (pmaddubsw, vpdpbusd);
+# a constant offset per type restores the signed value.
+#   32-element types: the block at byte o -> (q, off, d, m) with w = d * (q - off) + m.
+#   K types (256-element super-blocks): see below.
+# ---------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _nibbles(v):
+    """uint8 x 16 -> uint8 x 32: low nibbles (elements 0-15), then high nibbles (16-31). The
+    bytes are repeated in both halves (a broadcast load) and the upper half shifted by 4 (a
+    per-lane shift of 32-bit lanes): no cross-lane shuffle."""
+    shifts = cat(splat(np.uint32(0), 4), splat(np.uint32(4), 4))
+    return vand(view(vshr(view(cat(v, v), np.uint32), shifts), np.uint8), 15)
+
+
+# Q4_0: 32 elements per 18-byte block (d:f16, qs:16); e<16: qs[e]&15, e>=16: qs[e-16]>>4;
+#   w = d * (q - 8).
+@njit(inline="always")
+def _block_q4_0(row, o):
+    return _nibbles(ld(row, o + 2, 16)), 8, half(row, o), f32(0)
+
+
+# Q4_1: 32 elements per 20-byte block (d:f16, m:f16, qs:16 as Q4_0); w = d * q + m.
+@njit(inline="always")
+def _block_q4_1(row, o):
+    d, m = half2(row, o)
+    return _nibbles(ld(row, o + 4, 16)), 0, d, m
+
+
+# Q5_0: 32 elements per 22-byte block (d:f16, qh:4 little-endian, bit e = bit 4 of element e,
+#   qs:16 as Q4_0); w = d * (q - 16).
+@njit(inline="always")
+def _block_q5_0(row, o):
+    return vor(_nibbles(ld(row, o + 6, 16)), vshl(bits(row, o + 2, 32), 4)), 16, half(row, o), f32(0)
+
+
+# Q5_1: 32 elements per 24-byte block (d:f16, m:f16, qh:4, qs:16 as Q5_0); w = d * q + m.
+@njit(inline="always")
+def _block_q5_1(row, o):
+    d, m = half2(row, o)
+    return vor(_nibbles(ld(row, o + 8, 16)), vshl(bits(row, o + 4, 32), 4)), 0, d, m
+
+
+# Q8_0: 32 elements per 34-byte block (d:f16, qs:32 int8); w = d * q (here q + 128 - 128).
+@njit(inline="always")
+def _block_q8_0(row, o):
+    return vadd(ld(row, o + 2, 32), 128), 128, half(row, o), f32(0)
+
+
+# K types as 16 sub-blocks of 16 (a type with sub-blocks of 32 repeats each value twice):
+#   scales(w, o) -> (d, dmin, sc: int16 x 16, m: int32 x 16) of the super-block at byte o;
+#   quants(w, o, c) -> uint8 x 32, chunk c (elements 32c..32c+31, sub-blocks 2c and 2c+1);
+#   w = d * sc * (q - off) - dmin * m.
+_DUP8 = shuffler(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)  # 8 values -> 16 lanes
+
+
+# Q2_K: 256 elements per 84-byte super-block (scales:16, one byte per sub-block = sc | m << 4;
+#   qs:64; d:f16; dmin:f16).
+#   chunk c = 4h + s: q = (qs[32h + l] >> 2s) & 3.
+_OFF_Q2_K = 0
+
+
+@njit(inline="always")
+def _scales_q2_k(row, o):
+    b = ld(row, o, 16)
+    return half(row, o + 80), half(row, o + 82), cvt(vand(b, 15), np.int16), cvt(vshr(b, 4), np.int32)
+
+
+@njit(inline="always")
+def _quants_q2_k(row, o, c):
+    return vand(vshr(ld(row, o + 16 + 32 * (c >> 2), 32), 2 * (c & 3)), 3)
+
+
+# Q3_K: 256 elements per 110-byte super-block (hmask:32, qs:64, scales:12, d:f16).
+#   chunk c = 4h + s: q = ((qs[32h + l] >> 2s) & 3) | ((hmask[l] >> c) & 1) << 2; w = d * sc * (q - 4).
+#   16 signed 6-bit scales: low4 = scales[j] & 15 (j < 8) or scales[j-8] >> 4;
+#   high2 = (scales[8 + j%4] >> 2(j//4)) & 3; sc = (low4 | high2 << 4) - 32.
+_OFF_Q3_K = 4
+
+
+@njit(inline="always")
+def _scales_q3_k(row, o):
+    lo8 = ld(row, o + 96, 8)
+    low = cat(vand(lo8, 15), vshr(lo8, 4))
+    h4 = ld(row, o + 104, 4)  # replicated 4 times; group g shifted by 2g
+    u32 = np.uint32
+    shifts = cat(cat(splat(u32(0), 1), splat(u32(2), 1)), cat(splat(u32(4), 1), splat(u32(6), 1)))
+    high = vand(view(vshr(view(cat(cat(h4, h4), cat(h4, h4)), np.uint32), shifts), np.uint8), 3)
+    sc = vsub(cvt(vor(low, vshl(high, 4)), np.int16), 32)
+    return half(row, o + 108), f32(0), sc, splat(i32(0), 16)
+
+
+@njit(inline="always")
+def _quants_q3_k(row, o, c):
+    low = vand(vshr(ld(row, o + 32 + 32 * (c >> 2), 32), 2 * (c & 3)), 3)
+    high = vand(vshr(ld(row, o, 32), c), 1)
+    return vor(low, vshl(high, 2))
+
+
+# Q4_K and Q5_K: (d:f16, dmin:f16, scales:12, ...) with a 6-bit scale and min per sub-block j
+#   of 32, s = the 12 bytes: j < 4: sc = s[j] & 63, m = s[j+4] & 63;
+#   j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, m = (s[j+4] >> 4) | (s[j] >> 6) << 4.
+_K4_A = shuffler(0, 1, 2, 3, 8, 9, 10, 11)  # s[j] (j < 4), s[j+4] (j >= 4)
+_K4_B = shuffler(4, 5, 6, 7, 0, 1, 2, 3)  # s[j+4] (j < 4), s[j-4] (j >= 4)
+_K4_C = shuffler(4, 5, 6, 7, 8, 9, 10, 11)  # s[j+4]
+_K4_D = shuffler(0, 1, 2, 3, 4, 5, 6, 7)  # s[j]
+
+
+@njit(inline="always")
+def _scales_k4(row, o):
+    s = ld(row, o + 4, 16)  # the 12 bytes (and 4 of what follows)
+    first = cat(splat(np.uint8(255), 4), splat(np.uint8(0), 4))  # lanes j < 4
+    last = cat(splat(np.uint8(0), 4), splat(np.uint8(255), 4))
+    a, hi_b, c, hi_d = _K4_A(s), vshl(vshr(_K4_B(s), 6), 4), _K4_C(s), vshl(vshr(_K4_D(s), 6), 4)
+    sc = vor(vand(a, vor(vand(first, 63), vand(last, 15))), vand(hi_b, last))
+    mn = vor(vand(c, vand(first, 63)), vand(vor(vshr(c, 4), hi_d), last))
+    return half(row, o), half(row, o + 2), _DUP8(cvt(sc, np.int16)), _DUP8(cvt(mn, np.int32))
+
+
+# Q4_K: 256 elements per 144-byte super-block (d:f16, dmin:f16, scales:12, qs:128).
+#   chunk c = 2i + s: q = (qs[32i + l] >> 4s) & 15.
+_OFF_Q4_K = 0
+
+
+@njit(inline="always")
+def _quants_q4_k(row, o, c):
+    return vand(vshr(ld(row, o + 16 + 32 * (c >> 1), 32), 4 * (c & 1)), 15)
+
+
+# Q5_K: 256 elements per 176-byte super-block (d:f16, dmin:f16, scales:12, qh:32, qs:128).
+#   chunk c as Q4_K, plus bit 4 = (qh[l] >> c) & 1.
+_OFF_Q5_K = 0
+
+
+@njit(inline="always")
+def _quants_q5_k(row, o, c):
+    low = vand(vshr(ld(row, o + 48 + 32 * (c >> 1), 32), 4 * (c & 1)), 15)
+    return vor(low, vshl(vand(vshr(ld(row, o + 16, 32), c), 1), 4))
+
+
+# Q6_K: 256 elements per 210-byte super-block (ql:128, qh:64, scales:16 int8, d:f16).
+#   chunk c = 4h + t: q = (ql[64h + 32(t&1) + l] >> 4(t>>1)) & 15 | ((qh[32h + l] >> 2t) & 3) << 4;
+#   w = d * sc * (q - 32).
+_OFF_Q6_K = 32
+
+
+@njit(inline="always")
+def _scales_q6_k(row, o):
+    sc = cvt(cvt(ld(row, o + 192, 16), np.int8), np.int16)
+    return half(row, o + 208), f32(0), sc, splat(i32(0), 16)
+
+
+@njit(inline="always")
+def _quants_q6_k(row, o, c):
+    h, t = c >> 2, c & 3
+    low = vand(vshr(ld(row, o + 64 * h + 32 * (t & 1), 32), 4 * (t >> 1)), 15)
+    high = vand(vshr(ld(row, o + 128 + 32 * h, 32), 2 * t), 3)
+    return vor(low, vshl(high, 4))
+
+
+# F32 / F16 / BF16: rows of 4 / 2 / 2-byte little-endian floats; element i of the row at byte ro
+# as float32 x n.
+@njit(inline="always")
+def _load_f32(row, ro, i, n):
+    return ld_f32(row, ro + 4 * i, n)
+
+
+@njit(inline="always")
+def _load_f16(row, ro, i, n):
+    return ld_f16(row, ro + 2 * i, n)
+
+
+@njit(inline="always")
+def _load_bf16(row, ro, i, n):
+    return ld_bf16(row, ro + 2 * i, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row dot products (decode), one loop per family, specialized on the decoder passed in (the loops
+# are inlined: a decoder argument must not outlive compilation). Arrays are flat and addressed by
+# offsets (a view per row would cost atomic reference counting per row): w holds all rows, the
+# row starts at byte ro; the token's activations (from _quantize_q8) start at xo in x and xq and
+# at bo in the per-block arrays.
+# ---------------------------------------------------------------------------------------------
+@njit(fastmath=True, inline="always")
+def _dot_float(w, ro, x, xo, k, load):
+    a0 = splat(f32(0), 16)
+    a1 = splat(f32(0), 16)
+    i = 0
+    while i + 32 <= k:
+        a0 = fma(load(w, ro, i, 16), ld(x, xo + i, 16), a0)
+        a1 = fma(load(w, ro, i + 16, 16), ld(x, xo + i + 16, 16), a1)
+        i += 32
+    acc = hsum(vadd(a0, a1))
+    while i < k:  # rows whose length is not a multiple of 32
+        acc += hsum(load(w, ro, i, 1)) * at(x, xo + i)
+        i += 1
+    return acc
+
+
+@njit(fastmath=True, inline="always")
+def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, nbytes, has_min, scratch):
+    # one 256-bit product per block (8 int32 lanes) started from xoff = -off * (sums of 4 xq), so
+    # that it yields sum((q - off) * xq); blocks alternate between two accumulators so that
+    # consecutive FMAs do not wait on each other. Scales (d at byte 0 of every block type, m at
+    # byte 2 if the type has one) are converted 8 blocks at a time and broadcast from scratch.
+    a0 = splat(f32(0), 8)
+    a1 = splat(f32(0), 8)
+    am = splat(f32(0), 8)  # m * xsum, 8 blocks per lane group
+    mins = f32(0)
+    b = 0
+    while b + 8 <= nb:
+        o = ro + nbytes * b
+        st(scratch, 0, vmul(halves(w, o, nbytes, 8), ld(xd, bo + b, 8)))
+        if has_min:
+            am = fma(halves(w, o + 2, nbytes, 8), ld(xsum, bo + b, 8), am)
+        for j in range(0, 8, 2):
+            q0, _, _, _ = block(w, o + nbytes * j)
+            q1, _, _, _ = block(w, o + nbytes * j + nbytes)
+            p0 = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * (b + j), 8), q0, ld(xq, xo + 32 * (b + j), 32)), np.float32)
+            p1 = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * (b + j) + 8, 8), q1, ld(xq, xo + 32 * (b + j) + 32, 32)), np.float32)
+            a0 = fma(p0, splat(at(scratch, j), 8), a0)
+            a1 = fma(p1, splat(at(scratch, j + 1), 8), a1)
+        b += 8
+    while b < nb:
+        q, off, d, m = block(w, ro + nbytes * b)
+        p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
+        a0 = fma(p, splat(d * at(xd, bo + b), 8), a0)
+        mins += m * at(xsum, bo + b)
+        b += 1
+    return hsum(vadd(vadd(a0, a1), am)) + mins
+
+
+@njit(inline="always")
+def _pick(sc, c):
+    """int16 x 16: lanes 0-7 = sc[2c], 8-15 = sc[2c+1] (the scale of each pair sum of chunk c)."""
+    return cat(splat(lane(sc, 2 * c), 8), splat(lane(sc, 2 * c + 1), 8))
+
+
+@njit(inline="always")
+def _dot_chunk(w, o, c, xq, xb, sc, ia, quants):
+    p = maddubs(quants(w, o, c), ld(xq, xb + 32 * c, 32))  # int16 x 16: 8 pair sums per sub-block
+    return vadd(ia, madd(p, _pick(sc, c)))
+
+
+@njit(fastmath=True, inline="always")
+def _dot_k(w, ro, xq, xo, xd, bsum, bo, nb, scales, quants, nbytes, off):
+    # the sub-block scales are small integers: accumulate int32 over the super-block, one float
+    # FMA per 256 weights. The 8 chunks are written out: constant shifts and offsets in each.
+    # Offsets and mins per super-block: xd * (d * off * sum(sc * bsum) + dmin * sum(m * bsum)).
+    acc = splat(f32(0), 8)
+    mins = f32(0)
+    for b in range(nb):
+        o = ro + b * nbytes
+        d, dmin, sc, mn = scales(w, o)
+        xb = xo + 256 * b
+        ia = splat(i32(0), 8)
+        ia = _dot_chunk(w, o, 0, xq, xb, sc, ia, quants)
+        ia = _dot_chunk(w, o, 1, xq, xb, sc, ia, quants)
+        ia = _dot_chunk(w, o, 2, xq, xb, sc, ia, quants)
+        ia = _dot_chunk(w, o, 3, xq, xb, sc, ia, quants)
+        ia = _dot_chunk(w, o, 4, xq, xb, sc, ia, quants)
+        ia = _dot_chunk(w, o, 5, xq, xb, sc, ia, quants)
+        ia = _dot_chunk(w, o, 6, xq, xb, sc, ia, quants)
+        ia = _dot_chunk(w, o, 7, xq, xb, sc, ia, quants)
+        xdb = at(xd, bo + b)
+        acc = fma(cvt(ia, np.float32), splat(d * xdb, 8), acc)
+        bs = ld(bsum, 16 * (bo + b), 16)
+        so = hsum(vmul(cvt(sc, np.int32), bs)) if off else 0
+        ms = hsum(vmul(mn, bs))
+        mins += xdb * (d * f32(off * so) + dmin * f32(ms))
+    return hsum(acc) - mins
+
+
+@njit(fastmath=True, inline="always")
+def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, nbytes, has_min):
+    nb = k // 32
+    scratch = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        for t in range(n):
+            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, t * nb, nb, block, nbytes, has_min, scratch)
+
+
+@njit(fastmath=True, inline="always")
+def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, scales, quants, nbytes, off):
+    nb = k // 256
+    for r in range(r0, r1):
+        for t in range(n):
+            out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, t * nb, nb, scales, quants, nbytes, off)
+
+
+@njit(fastmath=True, inline="always")
+def _rows_float(w, rb, r0, r1, k, n, x, out, col, load):
+    for r in range(r0, r1):
+        for t in range(n):
+            out[t, col + r] = _dot_float(w, r * rb, x, t * k, k, load)
+
+
+@njit(fastmath=True)
+def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
+    """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
+    type is dispatched once per call, outside the row loop."""
+    if qtype == Q4_0:
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, 18, False)
+    elif qtype == Q4_1:
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, 20, True)
+    elif qtype == Q5_0:
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, 22, False)
+    elif qtype == Q5_1:
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, 24, True)
+    elif qtype == Q8_0:
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, 34, False)
+    elif qtype == Q2_K:
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q2_k, _quants_q2_k, 84, _OFF_Q2_K)
+    elif qtype == Q3_K:
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q3_k, _quants_q3_k, 110, _OFF_Q3_K)
+    elif qtype == Q4_K:
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_k4, _quants_q4_k, 144, _OFF_Q4_K)
+    elif qtype == Q5_K:
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_k4, _quants_q5_k, 176, _OFF_Q5_K)
+    elif qtype == Q6_K:
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q6_k, _quants_q6_k, 210, _OFF_Q6_K)
+    elif qtype == F32:
+        _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
+    elif qtype == F16:
+        _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f16)
+    else:
+        _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_bf16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row dequantization (prefill tiles, get_rows): dst[at : at + k] = float weights of the row at
+# byte ro of w.
+# ---------------------------------------------------------------------------------------------
+@njit(fastmath=True, inline="always")
+def _deq_float(w, ro, k, dst, at, load):
+    i = 0
+    while i + 16 <= k:
+        st(dst, at + i, load(w, ro, i, 16))
+        i += 16
+    while i < k:
+        dst[at + i] = hsum(load(w, ro, i, 1))
+        i += 1
+
+
+@njit(fastmath=True, inline="always")
+def _deq_32(w, ro, k, dst, at, block, nbytes):
+    for b in range(k // 32):
+        q, off, d, m = block(w, ro + nbytes * b)
+        st(dst, at + 32 * b, vadd(vmul(cvt(vsub(cvt(q, np.int16), off), np.float32), d), m))
+
+
+@njit(inline="always")
+def _deq_chunk(w, o, c, d, dmin, sc, mn, dst, at_, quants, off):
+    scale = cat(splat(lane(sc, 2 * c), 16), splat(lane(sc, 2 * c + 1), 16))
+    mins = cat(splat(dmin * f32(lane(mn, 2 * c)), 16), splat(dmin * f32(lane(mn, 2 * c + 1)), 16))
+    q = vmul(vsub(cvt(quants(w, o, c), np.int16), off), scale)
+    st(dst, at_ + 32 * c, vsub(vmul(cvt(q, np.float32), d), mins))
+
+
+@njit(fastmath=True, inline="always")
+def _deq_k(w, ro, k, dst, at_, scales, quants, nbytes, off):
+    for b in range(k // 256):
+        o = ro + b * nbytes
+        d, dmin, sc, mn = scales(w, o)
+        a = at_ + 256 * b
+        _deq_chunk(w, o, 0, d, dmin, sc, mn, dst, a, quants, off)
+        _deq_chunk(w, o, 1, d, dmin, sc, mn, dst, a, quants, off)
+        _deq_chunk(w, o, 2, d, dmin, sc, mn, dst, a, quants, off)
+        _deq_chunk(w, o, 3, d, dmin, sc, mn, dst, a, quants, off)
+        _deq_chunk(w, o, 4, d, dmin, sc, mn, dst, a, quants, off)
+        _deq_chunk(w, o, 5, d, dmin, sc, mn, dst, a, quants, off)
+        _deq_chunk(w, o, 6, d, dmin, sc, mn, dst, a, quants, off)
+        _deq_chunk(w, o, 7, d, dmin, sc, mn, dst, a, quants, off)
+
+
+@njit(fastmath=True)
+def _dequant_row(qtype, w, ro, k, dst, at):
+    if qtype == Q4_0:
+        _deq_32(w, ro, k, dst, at, _block_q4_0, 18)
+    elif qtype == Q4_1:
+        _deq_32(w, ro, k, dst, at, _block_q4_1, 20)
+    elif qtype == Q5_0:
+        _deq_32(w, ro, k, dst, at, _block_q5_0, 22)
+    elif qtype == Q5_1:
+        _deq_32(w, ro, k, dst, at, _block_q5_1, 24)
+    elif qtype == Q8_0:
+        _deq_32(w, ro, k, dst, at, _block_q8_0, 34)
+    elif qtype == Q2_K:
+        _deq_k(w, ro, k, dst, at, _scales_q2_k, _quants_q2_k, 84, _OFF_Q2_K)
+    elif qtype == Q3_K:
+        _deq_k(w, ro, k, dst, at, _scales_q3_k, _quants_q3_k, 110, _OFF_Q3_K)
+    elif qtype == Q4_K:
+        _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q4_k, 144, _OFF_Q4_K)
+    elif qtype == Q5_K:
+        _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q5_k, 176, _OFF_Q5_K)
+    elif qtype == Q6_K:
+        _deq_k(w, ro, k, dst, at, _scales_q6_k, _quants_q6_k, 210, _OFF_Q6_K)
+    elif qtype == F32:
+        _deq_float(w, ro, k, dst, at, _load_f32)
+    elif qtype == F16:
+        _deq_float(w, ro, k, dst, at, _load_f16)
+    else:
+        _deq_float(w, ro, k, dst, at, _load_bf16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drivers: one parallel region per call.
+# ---------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _part(item, n0, n1):
+    """Work item -> (part, item within the part) for three parts of n0, n1 and the rest items."""
+    if item < n0:
+        return 0, item
+    if item < n0 + n1:
+        return 1, item - n0
+    return 2, item - n0 - n1
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _qmatvec(x, ws, qtype, out):
+    """Few tokens: x (n, k); ws: three weights of one type (some may have 0 rows), out (n, m) =
+    x @ [ws[0]; ws[1]; ws[2]].T. Chunks of rows in parallel; each row is read from memory once and
+    stays in L1 for the n tokens."""
+    n, k = x.shape
+    m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
+    fam = 0 if (qtype == F32 or qtype == F16 or qtype == BF16) else (256 if qtype >= Q2_K and qtype <= Q6_K else 32)
+    bs = max(fam, 32)
+    nb = k // bs
+    # np.empty and plain loops: under parallel=True, np.zeros would be a parallel region of its own
+    xq = np.empty(n * k, np.int8)  # token t at t * k
+    xd = np.empty(n * nb, np.float32)  # token t at t * nb
+    xsum = np.empty(n * nb, np.float32)
+    bsum = np.empty(n * (k // 16), np.int32)  # token t at t * k // 16
+    xoff = np.empty(n * k // 4, np.int32)  # -off * (sums of 4 consecutive xq): see _dot_32
+    if fam != 0:
+        for t in range(n):
+            sl = slice(t * nb, t * nb + nb)
+            _quantize_q8(x[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
+        off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (128 if qtype == Q8_0 else 0))
+        for i in range(n * k // 4):
+            xoff[i] = -off * (i32(xq[4 * i]) + i32(xq[4 * i + 1]) + i32(xq[4 * i + 2]) + i32(xq[4 * i + 3]))
+    xf = x.reshape(-1)
+    c0, c1, c2 = (m0 + _CHUNK - 1) // _CHUNK, (m1 + _CHUNK - 1) // _CHUNK, (ws[2].shape[0] + _CHUNK - 1) // _CHUNK
+    for item in prange(c0 + c1 + c2):
+        p, c = _part(np.int64(item), c0, c1)  # (prange indices may be unsigned)
+        w = ws[p]
+        col = 0 if p == 0 else (m0 if p == 1 else m0 + m1)
+        r0 = c * _CHUNK
+        r1 = min(w.shape[0], r0 + _CHUNK)
+        _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _qgemm(x, ws, qtype, out):
+    """Many tokens: as _qmatvec. Tokens are packed 32 to a vector group (k, 32); then tiles of
+    _ROWS rows in parallel: decode the tile to float once (L2), and for each group of tokens
+    accumulate rows x tokens in registers over k."""
+    n, k = x.shape
+    m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
+    ngroups = (n + _TOK - 1) // _TOK
+    xp = np.zeros((ngroups, k, _TOK), np.float32)  # tokens packed along lanes, zero padded
+    for g in prange(ngroups):  # transposed 64 columns at a time: the stores stay in L1
+        for i0 in range(0, k, 64):
+            for j in range(min(_TOK, n - g * _TOK)):
+                for i in range(i0, min(k, i0 + 64)):
+                    xp[g, i, j] = x[g * _TOK + j, i]
+    xpf = xp.reshape(-1)
+    t0, t1, t2 = (m0 + _ROWS - 1) // _ROWS, (m1 + _ROWS - 1) // _ROWS, (ws[2].shape[0] + _ROWS - 1) // _ROWS
+    for item in prange(t0 + t1 + t2):
+        p, tile = _part(np.int64(item), t0, t1)
+        w = ws[p]
+        wf = w.reshape(-1)
+        col = 0 if p == 0 else (m0 if p == 1 else m0 + m1)
+        wt = np.empty(_ROWS * k, np.float32)  # (_ROWS, k) decoded rows
+        res = np.empty(_ROWS * _TOK, np.float32)  # (_ROWS, _TOK) tile results
+        r0 = tile * _ROWS
+        nr = min(_ROWS, w.shape[0] - r0)
+        for rr in range(nr):
+            _dequant_row(qtype, wf, (r0 + rr) * rb, k, wt, rr * k)
+        wt[nr * k :] = 0  # rows past the end of the weight (their results are dropped)
+        for g in range(ngroups):
+            base = g * k * _TOK
+            if n - g * _TOK > 16:
+                _tile_32(xpf, base, wt, k, res)
+            else:  # a last group of at most 16 tokens: half the work
+                _tile_16(xpf, base, wt, k, res)
+            for j in range(min(_TOK, n - g * _TOK)):
+                for rr in range(nr):
+                    out[g * _TOK + j, col + r0 + rr] = res[rr * _TOK + j]
+
+
+@njit(fastmath=True, inline="always")
+def _tile_32(xp, base, wt, k, res):
+    """res (_ROWS, 32) = wt (_ROWS, k) @ tokens packed at xp[base:] (k, 32): 12 accumulators,
+    per k two vector loads of tokens and one broadcast weight per row."""
+    z = splat(f32(0), 16)
+    c00, c01, c10, c11, c20, c21 = z, z, z, z, z, z
+    c30, c31, c40, c41, c50, c51 = z, z, z, z, z, z
+    for i in range(k):
+        x0 = ld(xp, base + i * _TOK, 16)
+        x1 = ld(xp, base + i * _TOK + 16, 16)
+        s = splat(at(wt, i), 16)
+        c00, c01 = fma(s, x0, c00), fma(s, x1, c01)
+        s = splat(at(wt, k + i), 16)
+        c10, c11 = fma(s, x0, c10), fma(s, x1, c11)
+        s = splat(at(wt, 2 * k + i), 16)
+        c20, c21 = fma(s, x0, c20), fma(s, x1, c21)
+        s = splat(at(wt, 3 * k + i), 16)
+        c30, c31 = fma(s, x0, c30), fma(s, x1, c31)
+        s = splat(at(wt, 4 * k + i), 16)
+        c40, c41 = fma(s, x0, c40), fma(s, x1, c41)
+        s = splat(at(wt, 5 * k + i), 16)
+        c50, c51 = fma(s, x0, c50), fma(s, x1, c51)
+    st(res, 0, cat(c00, c01))
+    st(res, 32, cat(c10, c11))
+    st(res, 64, cat(c20, c21))
+    st(res, 96, cat(c30, c31))
+    st(res, 128, cat(c40, c41))
+    st(res, 160, cat(c50, c51))
+
+
+@njit(fastmath=True, inline="always")
+def _tile_16(xp, base, wt, k, res):
+    """_tile_32 for the first 16 tokens only."""
+    z = splat(f32(0), 16)
+    c0, c1, c2, c3, c4, c5 = z, z, z, z, z, z
+    for i in range(k):
+        x0 = ld(xp, base + i * _TOK, 16)
+        c0 = fma(splat(at(wt, i), 16), x0, c0)
+        c1 = fma(splat(at(wt, k + i), 16), x0, c1)
+        c2 = fma(splat(at(wt, 2 * k + i), 16), x0, c2)
+        c3 = fma(splat(at(wt, 3 * k + i), 16), x0, c3)
+        c4 = fma(splat(at(wt, 4 * k + i), 16), x0, c4)
+        c5 = fma(splat(at(wt, 5 * k + i), 16), x0, c5)
+    st(res, 0, c0)
+    st(res, 32, c1)
+    st(res, 64, c2)
+    st(res, 96, c3)
+    st(res, 128, c4)
+    st(res, 160, c5)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _dequant_rows(w, qtype, rows, k, out):
+    wf, of, rb = w.reshape(-1), out.reshape(-1), w.shape[1]
+    for i in prange(rows.size):
+        _dequant_row(qtype, wf, rows[i] * rb, k, of, i * k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API: validate, allocate, dispatch.
+# ---------------------------------------------------------------------------------------------
+def _check_weight(w, qtype, what="weight") -> tuple[np.ndarray, int]:
+    """w as a read-only uint8 (m, row_bytes) view, and k (weights per row)."""
+    qt = QUANT_TYPES.get(qtype)
+    if qtype not in SUPPORTED:
+        raise UnsupportedModelError(f"qmatmul: tensor type {qt.name if qt else f'id {qtype}'} is not supported")
+    if not isinstance(w, np.ndarray) or w.ndim != 2:
+        raise EdgekvError(f"qmatmul: {what} must be a 2-D array, got {type(w).__name__} {getattr(w, 'shape', '')}")
+    if w.dtype != np.uint8 and qtype in _FLOAT_TYPES:
+        want = {F32: np.float32, F16: np.float16, BF16: np.uint16}[qtype]
+        if w.dtype != want:
+            raise EdgekvError(f"qmatmul: {qt.name} {what} must be uint8 or {np.dtype(want)}, got {w.dtype}")
+        w = w.view(np.uint8) if w.flags.c_contiguous else w
+    if w.dtype != np.uint8:
+        raise EdgekvError(f"qmatmul: {what} must be raw uint8 blocks, got {w.dtype}")
+    if not w.flags.c_contiguous:
+        raise EdgekvError(f"qmatmul: {what} must be C-contiguous")
+    if w.shape[1] % qt.block_bytes:
+        raise EdgekvError(
+            f"qmatmul: row of {w.shape[1]} bytes is not whole {qt.name} blocks of {qt.block_bytes} bytes"
+        )
+    return _readonly(w), w.shape[1] // qt.block_bytes * qt.block_elems
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: weights come as read-only memory maps, and numba compiles writable and
+    read-only arrays separately; one signature per kernel keeps compile time down."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+_NO_ROWS: dict[int, np.ndarray] = {}  # row bytes -> read-only (0, row_bytes): unused fused parts
+
+
+def qmatmul(x: np.ndarray, w, qtype: int, out: np.ndarray | None = None) -> np.ndarray:
+    """out (n, m) float32 = x @ W.T.
+
+    x: float32 (n, k), C-contiguous. w: the raw GGUF rows of a weight with k columns, uint8
+    (m, row_bytes) as memory-mapped (F32/F16/BF16 weights may also be given as float32/float16/
+    uint16 (m, k) arrays); or a tuple of up to 3 such weights of the same type and k (fused QKV,
+    gate+up: one pass over the activations, no copy of the weights), whose outputs are the
+    consecutive column ranges of out. qtype: the GGML type id. out, if given, is filled and
+    returned."""
+    if isinstance(w, (tuple, list)):
+        if not 1 <= len(w) <= 3:
+            raise EdgekvError(f"qmatmul: expected one weight or a tuple of up to 3, got {len(w)}")
+        parts = [_check_weight(p, qtype, f"weight {i}")[0] for i, p in enumerate(w)]
+        k = _check_weight(w[0], qtype)[1]
+        rb = parts[0].shape[1]
+        if any(p.shape[1] != rb for p in parts):
+            raise EdgekvError("qmatmul: fused weights must have the same number of columns")
+    else:
+        first, k = _check_weight(w, qtype)
+        parts, rb = [first], first.shape[1]
+    if rb not in _NO_ROWS:
+        _NO_ROWS[rb] = _readonly(np.zeros((0, rb), np.uint8))
+    ws = tuple(parts) + (_NO_ROWS[rb],) * (3 - len(parts))
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous):
+        got = f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
+        raise EdgekvError(f"qmatmul: x must be a C-contiguous float32 (n, k) array, got {got}")
+    n = x.shape[0]
+    if x.shape[1] != k:
+        raise EdgekvError(f"qmatmul: x has {x.shape[1]} columns but the weight has {k}")
+    m = ws[0].shape[0] + ws[1].shape[0] + ws[2].shape[0]
+    if out is None:
+        out = np.empty((n, m), np.float32)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (n, m) and out.flags.c_contiguous):
+        raise EdgekvError(f"qmatmul: out must be a C-contiguous float32 array of shape {(n, m)}")
+    if n == 0 or m == 0:
+        return out
+    (_qmatvec if n <= SMALL_N else _qgemm)(_readonly(x), ws, qtype, out)
+    return out
+
+
+def dequantize_rows(w: np.ndarray, qtype: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Float32 (len(rows), k) of the selected rows of w (raw GGUF rows): embedding lookup."""
+    w, k = _check_weight(w, qtype)
+    rows = np.asarray(rows)
+    if rows.ndim != 1 or rows.dtype.kind not in "iu":
+        raise EdgekvError("dequantize_rows: rows must be a 1-D integer array")
+    if rows.size and (rows.min() < 0 or rows.max() >= w.shape[0]):
+        raise EdgekvError(f"dequantize_rows: row index out of range [0, {w.shape[0]})")
+    if out is None:
+        out = np.empty((rows.size, k), np.float32)
+    elif out.dtype != np.float32 or out.shape != (rows.size, k) or not out.flags.c_contiguous:
+        raise EdgekvError(f"dequantize_rows: out must be a C-contiguous float32 array of shape {(rows.size, k)}")
+    if rows.size:
+        _dequant_rows(w, qtype, rows.astype(np.int64), k, out)
+    return out

@@ -1,0 +1,247 @@
+"""qmatmul / dequantize_rows against gguf.quants.dequantize (the reference decoder) and float64
+matmuls. Decode-sized calls (n <= SMALL_N) quantize the activations to int8 blocks, so they are
+checked twice: loosely against the exact product and tightly against the product with the same
+int8 activations (re-derived here in numpy)."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from gguf.quants import dequantize, quantize
+
+from conftest import model_path
+from edgekv.errors import EdgekvError, UnsupportedModelError
+from edgekv.gguf_file import GGUFFile
+from edgekv.kernels_cpu import qmatmul as qm
+from edgekv.quants import BY_NAME, QUANT_TYPES
+
+ALL = [QUANT_TYPES[q].name for q in qm.SUPPORTED]
+GGUF_QUANTIZES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # gguf.quants can encode these
+# byte offsets of the float16 fields of a block (scales, mins), set to small finite values
+F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+NS = sorted({1, 2, qm.SMALL_N, qm.SMALL_N + 1, 33, 50})  # both paths; partial token groups
+
+
+def cols_for(name: str) -> int:
+    """A small k: 19 blocks for the 32-element types (two groups of 8 and an odd tail), 2
+    super-blocks for K types, 100 for float types (not a multiple of the vector width)."""
+    return {1: 100, 32: 19 * 32, 256: 512}[BY_NAME[name].block_elems]
+
+
+def random_raw(name: str, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(m, row_bytes) uint8 rows: random bytes (every bit pattern of quants, scales, high bits)
+    with the float16 fields set to small finite values."""
+    qt = BY_NAME[name]
+    nb = k // qt.block_elems
+    raw = rng.integers(0, 256, size=(m, nb, qt.block_bytes), dtype=np.uint8)
+    for off in F16_FIELDS[name]:
+        vals = (rng.standard_normal((m, nb)) * 0.02).astype(np.float16)
+        raw[:, :, off : off + 2] = vals.view(np.uint8).reshape(m, nb, 2)
+    return raw.reshape(m, nb * qt.block_bytes)
+
+
+def quantized(name: str, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(m, row_bytes) uint8 rows of a random Gaussian matrix encoded by gguf.quants."""
+    f = rng.standard_normal((m, k), dtype=np.float32)
+    return np.ascontiguousarray(quantize(f, BY_NAME[name].id)).view(np.uint8)
+
+
+def reference(w: np.ndarray, name: str) -> np.ndarray:
+    """Dense float64 (m, k) matrix by gguf.quants."""
+    qt = BY_NAME[name]
+    if name == "F32":
+        return w.view(np.float32).astype(np.float64)
+    if name == "F16":
+        return w.view(np.float16).astype(np.float64)
+    return dequantize(w, qt.id).reshape(w.shape[0], -1).astype(np.float64)
+
+
+def int8_activations(x: np.ndarray, name: str) -> np.ndarray:
+    """x as the kernels see it on the decode path: int8 blocks (32, or 256 for K types) times a
+    float32 scale amax/127, rounded half to even."""
+    bs = 256 if BY_NAME[name].block_elems == 256 else 32
+    xb = x.reshape(x.shape[0], -1, bs)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv)
+    return (q * (amax / np.float32(127)).astype(np.float32)).reshape(x.shape).astype(np.float64)
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def check(w: np.ndarray, name: str, x: np.ndarray) -> None:
+    dense = reference(w, name)
+    got = qm.qmatmul(x, w, BY_NAME[name].id)
+    assert got.shape == (x.shape[0], w.shape[0]) and got.dtype == np.float32
+    exact = x.astype(np.float64) @ dense.T
+    if x.shape[0] > qm.SMALL_N or name in ("F32", "F16", "BF16"):  # float path
+        assert rel_err(got, exact) < 1e-5
+    else:
+        assert rel_err(got, exact) < 3e-2
+        assert rel_err(got, int8_activations(x, name) @ dense.T) < 1e-5
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_random_blocks(name):
+    rng = np.random.default_rng(1)
+    k = cols_for(name)
+    w = quantized(name, 37, k, rng) if name in ("F32", "F16", "BF16") else random_raw(name, 37, k, rng)
+    for n in NS:
+        check(w, name, rng.standard_normal((n, k), dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_QUANTIZES))
+def test_gguf_quantized(name):
+    rng = np.random.default_rng(2)
+    k = cols_for(name)
+    w = quantized(name, 37, k, rng)
+    for n in (1, qm.SMALL_N + 1):
+        check(w, name, rng.standard_normal((n, k), dtype=np.float32))
+
+
+def test_many_tokens_and_out():
+    rng = np.random.default_rng(3)
+    w = quantized("Q4_0", 37, 64, rng)
+    x = rng.standard_normal((513, 64), dtype=np.float32)
+    out = np.full((513, 37), np.nan, np.float32)
+    assert qm.qmatmul(x, w, BY_NAME["Q4_0"].id, out=out) is out
+    assert rel_err(out, x.astype(np.float64) @ reference(w, "Q4_0").T) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_fused_weights(name):
+    """A tuple of weights (QKV, gate+up) gives the outputs side by side, as separate calls do."""
+    rng = np.random.default_rng(9)
+    k = cols_for(name)
+    parts = [random_raw(name, m, k, rng) for m in (5, 40, 3)]
+    for n in (1, qm.SMALL_N + 1):
+        x = rng.standard_normal((n, k), dtype=np.float32)
+        for ws in (parts, parts[:2]):
+            got = qm.qmatmul(x, tuple(ws), BY_NAME[name].id)
+            want = np.concatenate([qm.qmatmul(x, w, BY_NAME[name].id) for w in ws], axis=1)
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(EdgekvError, match="same number of columns"):
+        qm.qmatmul(x, (parts[0], random_raw(name, 2, 2 * k, rng)), BY_NAME[name].id)
+
+
+def test_float_weights_as_float_arrays():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 40), dtype=np.float32)
+    f = rng.standard_normal((5, 40), dtype=np.float32)
+    want = x.astype(np.float64) @ f.T
+    assert rel_err(qm.qmatmul(x, f, BY_NAME["F32"].id), want) < 1e-6
+    h = f.astype(np.float16)
+    assert rel_err(qm.qmatmul(x, h, BY_NAME["F16"].id), x.astype(np.float64) @ h.astype(np.float64).T) < 1e-6
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_dequantize_rows(name):
+    rng = np.random.default_rng(5)
+    k = cols_for(name)
+    w = quantized(name, 9, k, rng) if name in ("F32", "F16", "BF16") else random_raw(name, 9, k, rng)
+    rows = np.array([8, 0, 3, 3])
+    got = qm.dequantize_rows(w, BY_NAME[name].id, rows)
+    np.testing.assert_allclose(got, reference(w, name)[rows], rtol=1e-6, atol=1e-30)
+
+
+REAL = {  # (model, tensor) per type found in the two real models
+    "smollm2": ["blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "token_embd.weight"],
+    "gemma3": ["blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.attn_output.weight", "blk.0.ffn_down.weight"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(REAL))
+def test_real_tensors(key):
+    f = GGUFFile(model_path(key))
+    rng = np.random.default_rng(6)
+    for tname in REAL[key]:
+        t = f.tensor(tname)
+        w = t.raw[:37]  # 37 rows of the memory-mapped weight, as the model code passes them
+        for n in (1, qm.SMALL_N + 1):
+            check(w, t.type_name, rng.standard_normal((n, t.shape[1]), dtype=np.float32))
+        got = qm.dequantize_rows(w, t.qtype, np.arange(3))
+        np.testing.assert_allclose(got, reference(w, t.type_name)[:3], rtol=1e-6)
+    f.close()
+
+
+def test_errors():
+    w = np.zeros((4, 18), np.uint8)  # Q4_0, k = 32
+    x = np.zeros((1, 32), np.float32)
+    q4 = BY_NAME["Q4_0"].id
+    with pytest.raises(UnsupportedModelError):
+        qm.qmatmul(x, w, 16)  # IQ2_XXS
+    with pytest.raises(EdgekvError, match="columns"):
+        qm.qmatmul(np.zeros((1, 64), np.float32), w, q4)
+    with pytest.raises(EdgekvError, match="float32"):
+        qm.qmatmul(x.astype(np.float64), w, q4)
+    with pytest.raises(EdgekvError, match="float32"):
+        qm.qmatmul(np.zeros(32, np.float32), w, q4)
+    with pytest.raises(EdgekvError, match="whole"):
+        qm.qmatmul(x, np.zeros((4, 19), np.uint8), q4)
+    with pytest.raises(EdgekvError, match="uint8"):
+        qm.qmatmul(x, w.astype(np.int8), q4)
+    with pytest.raises(EdgekvError, match="contiguous"):
+        qm.qmatmul(x, np.zeros((4, 36), np.uint8)[:, ::2], q4)
+    with pytest.raises(EdgekvError, match="out"):
+        qm.qmatmul(x, w, q4, out=np.zeros((4, 1), np.float32))
+    with pytest.raises(EdgekvError, match="range"):
+        qm.dequantize_rows(w, q4, np.array([4]))
+    assert qm.qmatmul(np.zeros((0, 32), np.float32), w, q4).shape == (0, 4)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "generic"])
+def test_vector_primitives(monkeypatch, isa):
+    """The integer products and float16 conversion on every instruction path: this machine's, AVX2
+    without AVX-512/VNNI, and plain LLVM vector IR (no x86, float16 decoded with integer ops), the
+    last two forced by editing the feature tables before compiling fresh kernels. The block
+    decoders are target-neutral code on top of these."""
+    if isa != "native":
+        for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD"):
+            keep = {16, 32} if isa == "avx2" and table != "_VPDPBUSD" else set()
+            monkeypatch.setattr(qm, table, {n: v for n, v in getattr(qm, table).items() if n in keep})
+        monkeypatch.setattr(qm, "_NATIVE_F16", False if isa == "generic" else qm._NATIVE_F16)
+
+    @numba.njit
+    def products(u8, i8, i16, o_madd16, o_madd32, o_ubs32, o_ubs64, o_dot32, o_dot64):
+        qm.st(o_madd16, 0, qm.madd(qm.ld(i16, 0, 16), qm.ld(i16, 16, 16)))
+        qm.st(o_madd32, 0, qm.madd(qm.ld(i16, 0, 32), qm.ld(i16, 32, 32)))
+        qm.st(o_ubs32, 0, qm.maddubs(qm.ld(u8, 0, 32), qm.ld(i8, 0, 32)))
+        qm.st(o_ubs64, 0, qm.maddubs(qm.ld(u8, 0, 64), qm.ld(i8, 0, 64)))
+        qm.st(o_dot32, 0, qm.dot4(qm.ld(u8, 0, 32), qm.ld(i8, 0, 32)))
+        qm.st(o_dot64, 0, qm.dot4(qm.ld(u8, 0, 64), qm.ld(i8, 0, 64)))
+
+    @numba.njit
+    def halves(raw, out):
+        for i in range(0, raw.size // 2, 16):
+            qm.st(out, i, qm.ld_f16(raw, 2 * i, 16))
+        out[0] = qm.half(raw, 0)  # the scalar form as well
+        out[1] = qm.half(raw, 2)
+
+    rng = np.random.default_rng(8)
+    for _ in range(20):
+        u8 = rng.integers(0, 64, 64, dtype=np.uint8)  # the kernels' range: < 2**15 pair sums
+        u8[:4] = 63
+        i8 = rng.integers(-128, 128, 64, dtype=np.int8)
+        i8[:4] = -128
+        i16 = rng.integers(-(2**15), 2**15, 64).astype(np.int16)
+        shapes = ((8, np.int32), (16, np.int32), (16, np.int16), (32, np.int16), (8, np.int32), (16, np.int32))
+        outs = [np.zeros(n, t) for n, t in shapes]
+        products(u8, i8, i16, *outs)
+        wide16 = i16.astype(np.int64)
+        want_madd = (wide16[:32] * wide16[32:]).reshape(-1, 2).sum(1)
+        prod = u8.astype(np.int64) * i8
+        np.testing.assert_array_equal(outs[0], (wide16[:16] * wide16[16:32]).reshape(-1, 2).sum(1).astype(np.int32))
+        np.testing.assert_array_equal(outs[1], want_madd.astype(np.int32))  # wraps like pmaddwd
+        np.testing.assert_array_equal(outs[2], prod[:32].reshape(-1, 2).sum(1))
+        np.testing.assert_array_equal(outs[3], prod.reshape(-1, 2).sum(1))
+        np.testing.assert_array_equal(outs[4], prod[:32].reshape(-1, 4).sum(1))
+        np.testing.assert_array_equal(outs[5], prod.reshape(-1, 4).sum(1))
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every float16
+    got = np.zeros(1 << 16, np.float32)
+    halves(bits.view(np.uint8), got)
+    np.testing.assert_array_equal(got, bits.view(np.float16).astype(np.float32))
