@@ -49,9 +49,9 @@ class LLM:
     # -- caches ---------------------------------------------------------------------------
     def new_cache(self, kind: str | None = None, *, n_sink: int | None = None) -> KVCache:
         """An empty KV cache for this model: `kind` (default: the LLM's kv type), a ring of
-        n_ctx tokens per global layer and of exactly the window per sliding-window layer."""
+        n_ctx tokens per global layer and of the window (at most n_ctx) per sliding-window one."""
         windows = self.cfg.windows()
-        caps = [w if w else self.n_ctx for w in windows]
+        caps = [min(w, self.n_ctx) if w else self.n_ctx for w in windows]
         return KVCache(caps, self.cfg.n_head_kv, self.cfg.head_dim, n_sink=self.n_sink if n_sink is None else n_sink,
                        windows=windows, kind=kind or self.kv_type)
 

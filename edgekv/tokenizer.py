@@ -189,7 +189,7 @@ class Tokenizer:
         # special-token splitting order: longest text (in bytes) first
         special_attrs = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN
         self._specials = sorted((i for i in range(n) if self._attrs[i] & special_attrs),
-                                key=lambda i: (-len(self._texts[i].encode("utf-8")), i))
+                                key=lambda i: (-len(self._texts[i].encode("utf-8", "surrogateescape")), i))
         # 3-char prefix -> (lengths, texts) of the special tokens starting with it, to find which
         # of them occur in a text without searching the text once per special token
         groups: dict[str, tuple[set[int], set[str]]] = {}
@@ -586,15 +586,15 @@ class Tokenizer:
     def _make_piece(self, i: int) -> bytes:
         attr, text = self._attrs[i], self._texts[i]
         if attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
-            return text.encode("utf-8")
+            return text.encode("utf-8", "surrogateescape")
         if attr & ATTR_NORMAL:
             if self._spm:
-                return text.replace(_SPACE, " ").encode("utf-8")
+                return text.replace(_SPACE, " ").encode("utf-8", "surrogateescape")
             out = bytearray()
             for ch in text:
                 b = _UNICODE_TO_BYTE.get(ch)
                 if b is None:  # not a byte-level char: llama.cpp writes a visible marker instead
-                    out += b"[UNK_BYTE_0x" + ch.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
+                    out += b"[UNK_BYTE_0x" + ch.encode("utf-8", "surrogateescape").hex().encode() + text.encode("utf-8", "surrogateescape") + b"]"
                 else:
                     out.append(b)
             return bytes(out)

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
+from ..validate import validate_model
 from .llama import check_shapes
 
 SWA_PATTERN = 6  # every 6th layer is global (llama.cpp hard-codes this for gemma3)
@@ -63,10 +64,11 @@ class Config:
             rope_scale=1.0 / factor,
             sliding_window=f.get(f"{a}.attention.sliding_window", 0, kind=int),
             # gemma_pytorch: query_pre_attn_scalar is n_embd/n_head for the 27B (62 layers), head_dim otherwise
-            attn_scale=1.0 / np.sqrt(n_embd / n_head if n_layer == 62 else head_dim),
+            attn_scale=1.0 / np.sqrt(n_embd / max(n_head, 1) if n_layer == 62 else head_dim),
             final_softcap=float(f.get(f"{a}.final_logit_softcapping", 0.0, kind=(int, float))),
         )
         cfg.validate(f)
+        validate_model(f, cfg)
         return cfg
 
     def validate(self, f: GGUFFile) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
+from ..validate import validate_model
 
 NEOX_ARCHS = {"qwen2"}  # llama.cpp's LLAMA_ROPE_TYPE_NEOX for these; NORM (adjacent pairs) otherwise
 
@@ -62,6 +63,7 @@ class Config:
             rope_scale=1.0 / factor,
         )
         cfg.validate(f)
+        validate_model(f, cfg)
         return cfg
 
     def validate(self, f: GGUFFile) -> None:
@@ -69,7 +71,7 @@ class Config:
             raise ModelFileError(f"{self.arch}: non-positive size in metadata: {self}")
         if self.n_head % self.n_head_kv:
             raise ModelFileError(f"{self.arch}: head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
-        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+        if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ModelFileError(f"{self.arch}: rope.dimension_count {self.rope_dim} does not fit head size {self.head_dim}")
         if self.n_layer > 1024:
             raise ModelFileError(f"{self.arch}: block_count {self.n_layer} is not plausible")
