@@ -1,0 +1,739 @@
+"""Kernels of the quantized KV cache: store, load and attention over a layer's ring in
+float16, int8 or int4.
+
+Storage of one layer's ring (cap token slots, Hkv kv heads, head dim hd, a multiple of 32);
+every row (one token, one head) is quantized in groups of 32 consecutive values:
+
+  f16:  q (cap, Hkv, hd)    float16                                      2 bytes / value
+  int8: q (cap, Hkv, hd)    int8,  scale (cap, Hkv, hd//32) float16      34 bytes / 32 values
+        x ~ q * d, d = f16(max|x| / 127), q = round(x / d)
+  int4: q (cap, Hkv, hd//2) uint8, scale (cap, Hkv, hd//32) float16      18 bytes / 32 values
+        byte i holds value 2i (low nibble) and 2i+1 (high nibble) as q + 8, q in [-8, 7];
+        d = f16(x_m / -8) with x_m the value of largest magnitude (llama.cpp's q4_0; the
+        default: one more level than max|x| / 7, and lower attention error on real K/V in
+        bench/kv_attention.py --quality) or f16(max|x| / 7) ("absmax")
+
+Quantization divides by the f16-rounded scale, the one a reader multiplies by, so the
+int8 error is at most d/2 per value. Keys of the int kinds are stored Hadamard-rotated
+(`rotate`): the normalized Walsh-Hadamard transform over blocks of B values (B the largest
+power of two dividing hd, at most 256) spreads outlier channels over their block, so a
+group's scale is not set by one channel. H is orthonormal and symmetric, so q.k = (Hq).(Hk):
+the caller rotates queries once and attention never un-rotates keys. Rotated values are
+un-rotated once, on the attention output.
+
+Inside attention an int4 row is used in "kernel order": within each group of 32, the 16
+low nibbles (values 0, 2, .., 30) then the 16 high nibbles (1, 3, .., 31), so unpacking is
+two contiguous streams with no interleaving shuffles. Queries and fresh keys/values are
+gathered into that order and the output scattered back; dot products do not care.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.extending import intrinsic
+
+from .ops import _expf, _widen
+
+KINDS = ("f16", "int8", "int4")
+GROUP = 32  # values per f16 scale
+INT4_SCALES = ("absmax", "q4_0")
+
+# Work (n_query * n_head * n_slot * head_dim) from which attention runs on the thread pool;
+# below it waking the threads costs more than the work. Read at each call: tests patch these
+# to reach every path.
+KV_ATTN_PAR_MIN = 1 << 16
+KV_ATTN_Q_BLOCK = 16  # queries sharing one dequantized key/value tile
+KV_ATTN_SPLIT_MIN_KEYS = 256  # fewest slots per split when decode splits the ring
+KV_HADAMARD_PAR_MIN = 1 << 16  # elements from which hadamard_ runs rows in parallel
+
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_NEG = np.float32(-3.0e38)  # "no score yet", as in ops.attention
+_FM = {"nsz", "arcp", "contract", "reassoc", "afn"}
+_KERNEL = dict(cache=True, error_model="numpy", fastmath=_FM)
+# Quantizing stays exact IEEE (no arcp: max|x| / 127 must not become max|x| * (1/127)), so
+# the stored bytes are reproducible by a plain numpy quantizer.
+_EXACT = dict(cache=True, error_model="numpy")
+
+
+def hadamard_block(hd: int) -> int:
+    """B: the largest power of two dividing hd, at most 256."""
+    return min(hd & -hd, 256)
+
+
+def kv_arrays(kind: str, cap: int, n_head_kv: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Zeroed (q, scale) arrays for one of K or V of a ring of this kind. The f16 kind's
+    scale is a (1, 1, 1) placeholder."""
+    _check_kind(kind, head_dim)
+    if kind == "f16":
+        return np.zeros((cap, n_head_kv, head_dim), np.float16), np.zeros((1, 1, 1), np.float16)
+    q = np.zeros((cap, n_head_kv, head_dim if kind == "int8" else head_dim // 2), np.int8 if kind == "int8" else np.uint8)
+    return q, np.zeros((cap, n_head_kv, head_dim // GROUP), np.float16)
+
+
+# --- scalar helpers -------------------------------------------------------------------
+
+
+@intrinsic
+def _narrow(typingctx, x):
+    """IEEE half bits (uint16) of a float32, rounded to nearest even like numpy's
+    astype(float16); LLVM emits vcvtps2ph."""
+    if x == types.float32:
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+        return types.uint16(x), codegen
+    return None
+
+
+@njit(inline="always", **_KERNEL)
+def _fwht(x, B):
+    """Normalized Walsh-Hadamard transform in place on each block of B values of x (hd,)
+    float32 (Sylvester order, the explicit matrix H_2n = [[H, H], [H, -H]] / sqrt(2))."""
+    hd = x.shape[0]
+    h = 1
+    while h < B:  # a butterfly over all of x at once: B divides hd, so blocks stay apart
+        for b0 in range(0, hd, 2 * h):
+            for j in range(b0, b0 + h):
+                a = x[j]
+                c = x[j + h]
+                x[j] = a + c
+                x[j + h] = a - c
+        h *= 2
+    s = np.float32(1.0 / math.sqrt(B))
+    for j in range(hd):
+        x[j] *= s
+
+
+# --- row (de)quantizers ---------------------------------------------------------------
+# The cores take a ring's K or V as a tuple (h, b, s): h the f16 kind's half bits as uint16
+# (numba has no float16 on CPU), b the int kinds' bytes as int8 (int8 values, or int4 nibble
+# pairs), s their f16 scales as uint16; the arrays a kind does not use are empty. One
+# compiled core then serves every kind: compiling it takes seconds, a branch per row nothing.
+
+_F16, _INT8, _INT4 = 0, 1, 2
+_KIND_ID = {"f16": _F16, "int8": _INT8, "int4": _INT4}
+
+
+# LLVM fully unrolls a 32-value loop and then cannot vectorize it (it cannot tell the
+# int8 loads from the float32 stores apart), so one group is dequantized by hand-written
+# vector IR: load, widen, scale, store; e.g. vpmovsxbd + vcvtdq2ps + vmulps for int8.
+_I32 = ir.IntType(32)
+_VF32 = ir.VectorType(ir.FloatType(), 32)
+
+
+def _vec_ptr(context, builder, aryty, ary, off, vt):
+    """Pointer to a vector of type vt at flat element offset off of a C-contiguous array."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [off]), vt.as_pointer())
+
+
+def _splat(builder, x, n):
+    vt = ir.VectorType(x.type, n)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+@intrinsic
+def _deq32_f16(typingctx, src, so, dst, do):
+    """dst.flat[do:do+32] = src.flat[so:so+32], src uint16 half bits."""
+
+    def codegen(context, builder, sig, args):
+        x = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 32)), align=2)
+        y = builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), 32)), _VF32)
+        builder.store(y, _vec_ptr(context, builder, sig.args[2], args[2], args[3], _VF32), align=4)
+        return context.get_dummy_value()
+
+    return types.void(src, so, dst, do), codegen
+
+
+@intrinsic
+def _deq32_i8(typingctx, src, so, d, dst, do):
+    """dst.flat[do:do+32] = src.flat[so:so+32] * d, src int8."""
+
+    def codegen(context, builder, sig, args):
+        x = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), 32)), align=1)
+        y = builder.fmul(builder.sitofp(x, _VF32), _splat(builder, args[2], 32))
+        builder.store(y, _vec_ptr(context, builder, sig.args[3], args[3], args[4], _VF32), align=4)
+        return context.get_dummy_value()
+
+    return types.void(src, so, d, dst, do), codegen
+
+
+@intrinsic
+def _deq32_i4(typingctx, src, so, d, dst, do):
+    """dst.flat[do:do+16] = (low nibbles - 8) * d and dst.flat[do+16:do+32] = (high
+    nibbles - 8) * d of the 16 bytes src.flat[so:so+16] (kernel order)."""
+
+    def codegen(context, builder, sig, args):
+        vi8 = ir.VectorType(ir.IntType(8), 16)
+        vi32 = ir.VectorType(_I32, 16)
+        vf = ir.VectorType(ir.FloatType(), 16)
+        x = builder.zext(builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], vi8), align=1), vi32)
+        eight = ir.Constant(vi32, [8] * 16)
+        lo = builder.sub(builder.and_(x, ir.Constant(vi32, [15] * 16)), eight)
+        hi = builder.sub(builder.lshr(x, ir.Constant(vi32, [4] * 16)), eight)
+        dv = _splat(builder, args[2], 16)
+        dst = _vec_ptr(context, builder, sig.args[3], args[3], args[4], vf)
+        builder.store(builder.fmul(builder.sitofp(lo, vf), dv), dst, align=4)
+        builder.store(builder.fmul(builder.sitofp(hi, vf), dv), builder.gep(dst, [ir.Constant(_I32, 1)]), align=4)
+        return context.get_dummy_value()
+
+    return types.void(src, so, d, dst, do), codegen
+
+
+@njit(inline="always", **_KERNEL)
+def _deq_rows(kind, h, b, s, j0, nj, g, dst):
+    """Dequantize rows j0:j0+nj (kv head g) of a ring (h, b, s) into dst[:nj] (rows, hd)
+    float32 C-contiguous, in kernel order. A whole tile per call: every call of a function
+    taking arrays costs atomic refcount updates, too many for once per row."""
+    hd = dst.shape[1]
+    if kind == _F16:
+        for jj in range(nj):
+            base = ((j0 + jj) * h.shape[1] + g) * hd
+            for c in range(0, hd, 32):
+                _deq32_f16(h, base + c, dst, jj * hd + c)
+    elif kind == _INT8:
+        for jj in range(nj):
+            base = ((j0 + jj) * b.shape[1] + g) * hd
+            for gi in range(hd // 32):
+                _deq32_i8(b, base + 32 * gi, _widen(s[j0 + jj, g, gi]), dst, jj * hd + 32 * gi)
+    else:
+        for jj in range(nj):
+            base = ((j0 + jj) * b.shape[1] + g) * (hd // 2)
+            for gi in range(hd // 32):
+                _deq32_i4(b, base + 16 * gi, _widen(s[j0 + jj, g, gi]), dst, jj * hd + 32 * gi)
+
+
+@njit(inline="always", **_EXACT)
+def _quant_row(kind, x, ring, j, g, q4_0):
+    """Quantize x (hd,) float32, in original order, into row (slot j, kv head g) of ring."""
+    h, b, s = ring
+    if kind == _F16:
+        for c in range(x.shape[0]):
+            h[j, g, c] = _narrow(x[c])
+    elif kind == _INT8:
+        for gi in range(x.shape[0] // 32):
+            amax = _F0
+            for c in range(32 * gi, 32 * gi + 32):
+                amax = max(amax, abs(x[c]))
+            hs = _narrow(amax / np.float32(127.0))
+            s[j, g, gi] = hs
+            d = _widen(hs)
+            inv = _F1 / d if d > _F0 else _F0
+            for c in range(32 * gi, 32 * gi + 32):
+                b[j, g, c] = np.int8(min(max(np.rint(x[c] * inv), np.float32(-127.0)), np.float32(127.0)))
+    else:
+        for gi in range(x.shape[0] // 32):
+            amax = _F0
+            smax = _F0  # the value of largest magnitude, the first one on ties (as q4_0)
+            for c in range(32 * gi, 32 * gi + 32):
+                if abs(x[c]) > amax:
+                    amax = abs(x[c])
+                    smax = x[c]
+            hs = _narrow(smax / np.float32(-8.0) if q4_0 else amax / np.float32(7.0))
+            s[j, g, gi] = hs
+            d = _widen(hs)
+            inv = _F1 / d if d != _F0 else _F0
+            for i in range(16):
+                lo = min(max(np.rint(x[32 * gi + 2 * i] * inv), np.float32(-8.0)), np.float32(7.0))
+                hi = min(max(np.rint(x[32 * gi + 2 * i + 1] * inv), np.float32(-8.0)), np.float32(7.0))
+                # the int8 cast keeps the low 8 bits: the byte's pattern, as uint8 would
+                b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
+
+
+# --- Hadamard, store, load ------------------------------------------------------------
+
+
+# Exact IEEE like the store: a query rotated here and a key rotated inside kv_store go
+# through the same float operations.
+@njit(**_EXACT)
+def _hadamard_serial(x, B):
+    for r in range(x.shape[0]):
+        _fwht(x[r], B)
+
+
+@njit(parallel=True, **_EXACT)
+def _hadamard_parallel(x, B):
+    for r in prange(x.shape[0]):
+        _fwht(x[r], B)
+
+
+def hadamard_(x: np.ndarray) -> np.ndarray:
+    """x = H x in place over the last axis of x (..., hd) float32, C-contiguous, hd a
+    multiple of 32: the normalized Walsh-Hadamard transform on each block of
+    B = hadamard_block(hd) values. H is its own inverse. Returns x."""
+    if x.dtype != np.float32 or x.ndim == 0 or not x.flags.c_contiguous:
+        raise ValueError(f"hadamard_: x {x.dtype}{x.shape} must be float32 (..., hd), C-contiguous")
+    hd = x.shape[-1]
+    if hd == 0 or hd % GROUP:
+        raise ValueError(f"hadamard_: head dim {hd} must be a positive multiple of {GROUP}")
+    x2 = x.reshape(-1, hd)  # (rows, hd) view
+    if x.size >= KV_HADAMARD_PAR_MIN:
+        _hadamard_parallel(x2, hadamard_block(hd))
+    else:
+        _hadamard_serial(x2, hadamard_block(hd))
+    return x
+
+
+@njit(**_EXACT)
+def _store_core(kind, x, ring, slots, rotate, B, q4_0):
+    n, n_head_kv, hd = x.shape
+    buf = np.empty(hd, np.float32)
+    for t in range(n):
+        for g in range(n_head_kv):
+            for c in range(hd):
+                buf[c] = x[t, g, c]
+            if rotate:
+                _fwht(buf, B)
+            _quant_row(kind, buf, ring, slots[t], g, q4_0)
+
+
+@njit(**_KERNEL)
+def _load_core(kind, ring, slots, rotate, B, perm, out):
+    n, n_head_kv, hd = out.shape
+    h, b, s = ring
+    buf = np.empty((1, hd), np.float32)
+    for t in range(n):
+        for g in range(n_head_kv):
+            _deq_rows(kind, h, b, s, slots[t], 1, g, buf)
+            for c in range(hd):
+                out[t, g, perm[c]] = buf[0, c]
+            if rotate:
+                _fwht(out[t, g], B)
+
+
+_perm_cache: dict[tuple[str, int], np.ndarray] = {}
+
+
+def _perm(kind: str, hd: int) -> np.ndarray:
+    """(hd,) int64: the original dim of each kernel-order index."""
+    p = _perm_cache.get((kind, hd))
+    if p is None:
+        p = np.arange(hd, dtype=np.int64)
+        if kind == "int4":
+            i = np.arange(16)
+            p = (np.arange(0, hd, GROUP)[:, None] + np.concatenate([2 * i, 2 * i + 1])[None, :]).reshape(-1)
+        _perm_cache[(kind, hd)] = p
+    return p
+
+
+def _check_kind(kind: str, hd: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown KV cache kind {kind!r}; one of {KINDS}")
+    if hd <= 0 or hd % GROUP:
+        raise ValueError(f"head dim {hd} must be a positive multiple of {GROUP}")
+
+
+_NO_H = np.zeros((0, 0, 0), np.uint16)
+_NO_B = np.zeros((0, 0, 0), np.int8)
+
+
+def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check one of a ring's K or V against its kind; return the (h, b, s) views the cores take."""
+    if qa.ndim != 3 or not qa.flags.c_contiguous:
+        raise ValueError(f"{name}: ring array {qa.dtype}{qa.shape} must be 3-d (cap, n_head_kv, ...), C-contiguous")
+    cap, n_head_kv = qa.shape[:2]
+    want = {"f16": (np.float16, hd), "int8": (np.int8, hd), "int4": (np.uint8, hd // 2)}[kind]
+    if qa.dtype != want[0] or qa.shape[2] != want[1]:
+        raise ValueError(f"{name}: {kind} ring array must be {np.dtype(want[0])} (cap, n_head_kv, {want[1]}), not {qa.dtype}{qa.shape}")
+    if kind == "f16":
+        return qa.view(np.uint16), _NO_B, _NO_H
+    if sa is None or sa.dtype != np.float16 or sa.shape != (cap, n_head_kv, hd // GROUP) or not sa.flags.c_contiguous:
+        got = "None" if sa is None else f"{sa.dtype}{sa.shape}"
+        raise ValueError(f"{name}: {kind} scales must be float16 ({cap}, {n_head_kv}, {hd // GROUP}), C-contiguous, not {got}")
+    return _NO_H, qa.view(np.int8), sa.view(np.uint16)
+
+
+def _check_slots(name: str, slots: np.ndarray, cap: int) -> None:
+    if slots.dtype != np.int64 or slots.ndim != 1:
+        raise ValueError(f"{name}: slots {slots.dtype}{slots.shape} must be int64 (n,)")
+    if slots.shape[0] and (slots.min() < 0 or slots.max() >= cap):
+        raise ValueError(f"{name}: slots must lie in [0, {cap})")
+
+
+def kv_store(
+    kind: str,
+    x: np.ndarray,
+    q_arr: np.ndarray,
+    scale_arr: np.ndarray | None,
+    slots: np.ndarray,
+    rotate: bool,
+    *,
+    int4_scale: str = "q4_0",
+) -> None:
+    """Quantize x (n, Hkv, hd) float32 into ring slots (n,) int64 (distinct) of q_arr /
+    scale_arr (see the module doc for layouts), Hadamard-rotating each row first when
+    rotate (x itself is not changed). The f16 kind ignores scale_arr (pass anything, or
+    None) and rounds x to half. int4_scale picks the int4 scale rule: "absmax" is
+    d = max|x| / 7, "q4_0" llama.cpp's d = (value of largest magnitude) / -8. Writing the
+    slots' positions is the caller's job."""
+    if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
+        raise ValueError(f"kv_store: x {x.dtype}{x.shape} must be float32 (n, n_head_kv, hd), C-contiguous")
+    n, n_head_kv, hd = x.shape
+    _check_kind(kind, hd)
+    ring = _ring("kv_store", kind, q_arr, scale_arr, hd)
+    if q_arr.shape[1] != n_head_kv:
+        raise ValueError(f"kv_store: x has {n_head_kv} kv heads, the ring {q_arr.shape[1]}")
+    _check_slots("kv_store", slots, q_arr.shape[0])
+    if slots.shape[0] != n:
+        raise ValueError(f"kv_store: {slots.shape[0]} slots for {n} rows")
+    if n > 1 and np.unique(slots).shape[0] != n:
+        raise ValueError("kv_store: slots must be distinct (keep only each slot's last writer)")
+    if int4_scale not in INT4_SCALES:
+        raise ValueError(f"kv_store: int4_scale {int4_scale!r} must be one of {INT4_SCALES}")
+    if n:
+        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd), int4_scale == "q4_0")
+
+
+def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: np.ndarray, rotate: bool) -> np.ndarray:
+    """Dequantized rows of ring slots (n,) int64 -> (n, Hkv, hd) float32, un-rotated when
+    rotate (the rows were stored with rotate=True). For tests and debugging."""
+    if q_arr.ndim != 3:
+        raise ValueError(f"kv_load: ring array {q_arr.dtype}{q_arr.shape} must be 3-d")
+    hd = q_arr.shape[2] * (2 if kind == "int4" else 1)
+    _check_kind(kind, hd)
+    ring = _ring("kv_load", kind, q_arr, scale_arr, hd)
+    _check_slots("kv_load", slots, q_arr.shape[0])
+    out = np.empty((slots.shape[0], q_arr.shape[1], hd), np.float32)
+    _load_core(_KIND_ID[kind], ring, slots, bool(rotate), hadamard_block(hd), _perm(kind, hd), out)
+    return out
+
+
+# --- attention ------------------------------------------------------------------------
+# Flash attention over two key sources: the ring (quantized, slots in any order, masked by
+# position) and an optional fresh float32 batch, joined in one index space (ring slots,
+# then fresh keys). A task is (query block, kv head, key split): it walks its keys in
+# tiles, dequantizes each K and V tile once into float32 scratch and reuses it for every
+# (query, head) row of the block, keeping a running max m, denominator l and unnormalized
+# value sum acc per row. Decode (one query) splits the keys among threads and merges the
+# partial softmaxes, so both threads work even when Hkv = 1.
+
+
+@njit(**_KERNEL)
+def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
+                i0, i1, g, j0, j1, n_ring, acc, m, l):
+    """Attend queries i0:i1 of kv head g's query heads to keys j0:j1 of the joined index
+    space (ring slots 0:n_ring, then fresh keys), updating acc (rows, hd), m, l (rows,) with
+    rows ordered (query, head in group); acc is in kernel order."""
+    n_head, hd = q.shape[1], q.shape[2]
+    grp = n_head // fk.shape[1]
+    rows = (i1 - i0) * grp
+    tile = max(16, min(64, 4096 // hd))  # K and V tiles of 16 KiB each stay in L1
+    kt = np.empty((tile, hd), np.float32)  # (tile, hd) dequantized keys, kernel order
+    vt = np.empty((tile, hd), np.float32)  # (tile, hd) values
+    pr = np.empty((grp, tile), np.float32)  # (grp, tile) scores, then probabilities
+    ok = np.empty(tile, np.bool_)
+    # the block's queries in kernel order with the softmax scale folded in; q_sink's too
+    # when the keys include sink slots
+    has_sink = j0 < min(n_sink, n_ring)
+    qb = np.empty((rows, hd), np.float32)  # (rows, hd)
+    qs = np.empty((rows if has_sink else 0, hd), np.float32)
+    for i in range(i0, i1):
+        for hh in range(grp):
+            r = (i - i0) * grp + hh
+            for c in range(hd):
+                qb[r, c] = q[i, g * grp + hh, perm[c]] * scale
+            if has_sink:
+                for c in range(hd):
+                    qs[r, c] = q_sink[i, g * grp + hh, perm[c]] * scale
+    qmin = q_pos[i0]
+    qmax = q_pos[i0]
+    for i in range(i0, i1):
+        qmin = min(qmin, q_pos[i])
+        qmax = max(qmax, q_pos[i])
+    j = j0
+    while j < j1:
+        ring = j < n_ring
+        t0 = j if ring else j - n_ring
+        nt = min(tile, (min(j1, n_ring) if ring else j1) - j)
+        j += nt
+        n_sink_t = max(0, min(nt, n_sink - t0)) if ring else 0  # sink slots in this tile
+        # skip tiles no query of the block sees (empty, future, outside the window)
+        anyv = False
+        for jj in range(nt):
+            kp = pos[t0 + jj] if ring else fpos[t0 + jj]
+            if kp >= 0 and kp <= qmax and (window == 0 or jj < n_sink_t or qmin - kp < window):
+                anyv = True
+                break
+        if not anyv:
+            continue
+        if ring:
+            # empty slots of the tile are dequantized too (hidden keys never reach the sums)
+            _deq_rows(kind, kh, kb, ks, t0, nt, g, kt)
+            _deq_rows(kind, vh, vb, vs, t0, nt, g, vt)
+        else:
+            for jj in range(nt):
+                for c in range(hd):
+                    kt[jj, c] = fk[t0 + jj, g, perm[c]]
+                for c in range(hd):
+                    vt[jj, c] = fv[t0 + jj, g, perm[c]]
+        for i in range(i0, i1):
+            qp = q_pos[i]
+            nv = 0
+            for jj in range(nt):
+                kp = pos[t0 + jj] if ring else fpos[t0 + jj]
+                # sinks sit just before the window (StreamingLLM): causal, never windowed
+                ok[jj] = kp >= 0 and kp <= qp and (window == 0 or jj < n_sink_t or qp - kp < window)
+                nv += ok[jj]
+            if nv == 0:
+                continue
+            for hh in range(grp):
+                r = (i - i0) * grp + hh
+                # scores, four keys per pass sharing the query loads; sinks take q_sink
+                jj = 0
+                while jj < nt:
+                    if jj + 4 <= nt and jj >= n_sink_t:
+                        s0 = _F0
+                        s1 = _F0
+                        s2 = _F0
+                        s3 = _F0
+                        for c in range(hd):
+                            qv = qb[r, c]
+                            s0 += qv * kt[jj, c]
+                            s1 += qv * kt[jj + 1, c]
+                            s2 += qv * kt[jj + 2, c]
+                            s3 += qv * kt[jj + 3, c]
+                        pr[hh, jj] = s0
+                        pr[hh, jj + 1] = s1
+                        pr[hh, jj + 2] = s2
+                        pr[hh, jj + 3] = s3
+                        jj += 4
+                    else:
+                        s = _F0
+                        if jj < n_sink_t:
+                            for c in range(hd):
+                                s += qs[r, c] * kt[jj, c]
+                        else:
+                            for c in range(hd):
+                                s += qb[r, c] * kt[jj, c]
+                        pr[hh, jj] = s
+                        jj += 1
+                mt = _NEG
+                for jj in range(nt):
+                    if ok[jj]:
+                        mt = max(mt, pr[hh, jj])
+                if mt > m[r]:
+                    if m[r] > _NEG:
+                        alpha = _expf(m[r] - mt)
+                        l[r] *= alpha
+                        for c in range(hd):
+                            acc[r, c] *= alpha
+                    m[r] = mt
+                mr = m[r]
+                lsum = _F0
+                for jj in range(nt):
+                    p = _expf(pr[hh, jj] - mr) if ok[jj] else _F0
+                    pr[hh, jj] = p
+                    lsum += p
+                l[r] += lsum
+            # values: two heads per pass share the value loads, four keys per pass the
+            # acc loads and stores; hidden keys are skipped, not multiplied by 0 (stale scratch)
+            for hh in range(0, grp, 2):
+                r = (i - i0) * grp + hh
+                pair = hh + 1 < grp
+                jj = 0
+                while jj < nt:
+                    if jj + 4 <= nt and ok[jj] and ok[jj + 1] and ok[jj + 2] and ok[jj + 3]:
+                        p0, p1, p2, p3 = pr[hh, jj], pr[hh, jj + 1], pr[hh, jj + 2], pr[hh, jj + 3]
+                        if pair:
+                            u0, u1, u2, u3 = pr[hh + 1, jj], pr[hh + 1, jj + 1], pr[hh + 1, jj + 2], pr[hh + 1, jj + 3]
+                            for c in range(hd):
+                                v0, v1, v2, v3 = vt[jj, c], vt[jj + 1, c], vt[jj + 2, c], vt[jj + 3, c]
+                                acc[r, c] += p0 * v0 + p1 * v1 + p2 * v2 + p3 * v3
+                                acc[r + 1, c] += u0 * v0 + u1 * v1 + u2 * v2 + u3 * v3
+                        else:
+                            for c in range(hd):
+                                acc[r, c] += p0 * vt[jj, c] + p1 * vt[jj + 1, c] + p2 * vt[jj + 2, c] + p3 * vt[jj + 3, c]
+                        jj += 4
+                    else:
+                        if ok[jj]:
+                            p0 = pr[hh, jj]
+                            u0 = pr[hh + 1, jj] if pair else _F0
+                            for c in range(hd):
+                                acc[r, c] += p0 * vt[jj, c]
+                            if pair:
+                                for c in range(hd):
+                                    acc[r + 1, c] += u0 * vt[jj, c]
+                        jj += 1
+
+
+@njit(inline="always", **_KERNEL)
+def _finish_row(src, scale_by, perm, v_rotated, B, out, i, h):
+    """out[i, h] = src * scale_by scattered to original order, then un-rotated."""
+    for c in range(src.shape[0]):
+        out[i, h, perm[c]] = src[c] * scale_by
+    if v_rotated:
+        _fwht(out[i, h], B)
+
+
+@njit(inline="always", **_KERNEL)
+def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
+               v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t):
+    n, n_head, hd = q.shape
+    n_head_kv = fk.shape[1]
+    grp = n_head // n_head_kv
+    nqb = (n + bq - 1) // bq
+    s = t % n_split
+    g = (t // n_split) % n_head_kv
+    b = t // (n_split * n_head_kv)
+    # interleave light (early) and heavy (late) causal blocks so static chunks balance
+    qb = b // 2 if b % 2 == 0 else nqb - 1 - b // 2
+    i0 = qb * bq
+    i1 = min(n, i0 + bq)
+    n_all = n_ring + fk.shape[0]
+    split_len = (n_all + n_split - 1) // n_split
+    j0 = min(n_all, s * split_len)
+    j1 = min(n_all, j0 + split_len)
+    rows = (i1 - i0) * grp
+    acc = np.empty((rows, hd), np.float32)  # (rows, hd)
+    m = np.empty(rows, np.float32)
+    l = np.empty(rows, np.float32)
+    for r in range(rows):
+        for c in range(hd):
+            acc[r, c] = _F0
+        m[r] = _NEG
+        l[r] = _F0
+    _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
+                i0, i1, g, j0, j1, n_ring, acc, m, l)
+    for i in range(i0, i1):
+        for hh in range(grp):
+            r = (i - i0) * grp + hh
+            h = g * grp + hh
+            if n_split == 1:  # a query that sees no key gets zeros
+                _finish_row(acc[r], _F1 / l[r] if l[r] > _F0 else _F0, perm, v_rotated, B, out, i, h)
+            else:
+                pm[i, h, s] = m[r]
+                pl[i, h, s] = l[r]
+                for c in range(hd):
+                    pacc[i, h, s, c] = acc[r, c]
+
+
+@njit(parallel=True, **_KERNEL)
+def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, window, perm,
+               v_rotated, B, bq, par_min, split_min, threads, out):
+    # array expressions here would each become a parfor of their own (seconds of compile
+    # time): only the task loop is parallel, everything else is written as loops
+    n, n_head, hd = q.shape
+    kh, kb, ks = K  # unpacked once: rebinding arrays in the hot loops costs refcount calls
+    vh, vb, vs = V
+    # ring slots past the last live one are never visited: a ring fills from slot 0, so
+    # early in a long context most of it is empty and the splits must cover only the rest
+    n_ring = pos.shape[0]
+    while n_ring > 0 and pos[n_ring - 1] < 0:
+        n_ring -= 1
+    n_all = n_ring + fk.shape[0]
+    tasks = ((n + bq - 1) // bq) * fk.shape[1]
+    parallel = n * n_head * n_all * hd >= par_min and threads > 1
+    # too few (query block, kv head) tasks for the threads: split the keys too, into a
+    # count that divides evenly among them (numba's omp prange schedules statically)
+    n_split = 1
+    max_split = max(1, n_all // split_min)
+    if parallel and tasks < 2 * threads and max_split > 1:
+        n_split = -(-2 * threads // tasks)
+        while (tasks * n_split) % threads and n_split < max_split:
+            n_split += 1
+        n_split = min(n_split, max_split)
+    pm = np.empty((n, n_head, n_split), np.float32)  # (n, n_head, n_split) partial maxima
+    pl = np.empty((n, n_head, n_split), np.float32)  # partial denominators
+    pacc = np.empty((n, n_head, n_split if n_split > 1 else 0, hd), np.float32)  # partial sums
+    if parallel:
+        for t in prange(tasks * n_split):
+            _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
+                       v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t)
+    else:  # the calling thread alone: no pool wake-up
+        for t in range(tasks * n_split):
+            _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
+                       v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t)
+    if n_split > 1:
+        # merge the splits' partial softmaxes (max m, denominator l, unnormalized sum)
+        row = np.empty(hd, np.float32)
+        for i in range(n):
+            for h in range(n_head):
+                mx = _NEG
+                for s in range(n_split):
+                    if pl[i, h, s] > _F0:
+                        mx = max(mx, pm[i, h, s])
+                for c in range(hd):
+                    row[c] = _F0
+                den = _F0
+                for s in range(n_split):
+                    if pl[i, h, s] > _F0:
+                        w = _expf(pm[i, h, s] - mx)
+                        den += w * pl[i, h, s]
+                        for c in range(hd):
+                            row[c] += w * pacc[i, h, s, c]
+                _finish_row(row, _F1 / den if den > _F0 else _F0, perm, v_rotated, B, out, i, h)
+
+
+def kv_attention(
+    kind: str,
+    q: np.ndarray,
+    q_sink: np.ndarray | None,
+    q_pos: np.ndarray,
+    k: np.ndarray,
+    k_scale: np.ndarray | None,
+    v: np.ndarray,
+    v_scale: np.ndarray | None,
+    pos: np.ndarray,
+    n_sink: int,
+    fresh_k: np.ndarray | None,
+    fresh_v: np.ndarray | None,
+    fresh_pos: np.ndarray | None,
+    scale: float,
+    window: int,
+    v_rotated: bool,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """softmax(q K^T * scale + mask) V over the union of a ring (k, k_scale, v, v_scale of
+    `kind`; pos (cap,) int64, -1 = empty) and fresh keys fresh_k, fresh_v (m, Hkv, hd)
+    float32 at fresh_pos (m,) int64 (all three None = none). q (n, H, hd) float32 at
+    q_pos (n,) int64; query head h reads kv head h // (H // Hkv).
+
+    Key at position p is seen by query i iff 0 <= p <= q_pos[i] and (window == 0 or
+    q_pos[i] - p < window), except that ring slots j < n_sink (attention sinks) ignore the
+    window and are scored with q_sink (n, H, hd) instead of q (None = q). q, q_sink and
+    fresh_k must be in the ring's key space (Hadamard-rotated when keys are), fresh_v in
+    its value space; v_rotated un-rotates the output. A query that sees no key gets zeros.
+    Returns out (n, H, hd) float32."""
+    if q.dtype != np.float32 or q.ndim != 3 or not q.flags.c_contiguous:
+        raise ValueError(f"kv_attention: q {q.dtype}{q.shape} must be float32 (n, n_head, hd), C-contiguous")
+    n, n_head, hd = q.shape
+    _check_kind(kind, hd)
+    K = _ring("kv_attention", kind, k, k_scale, hd)
+    V = _ring("kv_attention", kind, v, v_scale, hd)
+    cap, n_head_kv = k.shape[:2]
+    if v.shape != k.shape or n_head % n_head_kv:
+        raise ValueError(f"kv_attention: k {k.shape}, v {v.shape} do not fit q {q.shape} (kv heads, GQA groups)")
+    if q_sink is None:
+        q_sink = q
+    elif q_sink.dtype != np.float32 or q_sink.shape != q.shape or not q_sink.flags.c_contiguous:
+        raise ValueError(f"kv_attention: q_sink {q_sink.dtype}{q_sink.shape} must be float32 {q.shape}, C-contiguous")
+    if q_pos.dtype != np.int64 or q_pos.shape != (n,) or pos.dtype != np.int64 or pos.shape != (cap,):
+        raise ValueError(f"kv_attention: q_pos {q_pos.dtype}{q_pos.shape}, pos {pos.dtype}{pos.shape} must be int64 ({n},), ({cap},)")
+    if fresh_k is None and fresh_v is None and fresh_pos is None:
+        fresh_k = fresh_v = np.zeros((0, n_head_kv, hd), np.float32)
+        fresh_pos = np.zeros(0, np.int64)
+    for a in (fresh_k, fresh_v):
+        if a is None or a.dtype != np.float32 or a.ndim != 3 or a.shape[1:] != (n_head_kv, hd) or not a.flags.c_contiguous:
+            got = "None" if a is None else f"{a.dtype}{a.shape}"
+            raise ValueError(f"kv_attention: fresh_k, fresh_v must be float32 (m, {n_head_kv}, {hd}), C-contiguous, not {got}")
+    m = fresh_k.shape[0]
+    if fresh_v.shape[0] != m or fresh_pos is None or fresh_pos.dtype != np.int64 or fresh_pos.shape != (m,):
+        raise ValueError(f"kv_attention: fresh_v {fresh_v.shape} and fresh_pos must match fresh_k's {m} keys (fresh_pos int64)")
+    if not 0 <= n_sink <= cap or window < 0:
+        raise ValueError(f"kv_attention: n_sink={n_sink} must be in [0, {cap}], window={window} >= 0")
+    if out is None:
+        out = np.empty_like(q)
+    elif out.dtype != np.float32 or out.shape != q.shape or not out.flags.c_contiguous:
+        raise ValueError(f"kv_attention: out {out.dtype}{out.shape} must be float32 {q.shape}, C-contiguous")
+    if n == 0:
+        return out
+    _attn_core(_KIND_ID[kind], q, q_sink, q_pos, K, V, pos, int(n_sink), fresh_k, fresh_v, fresh_pos,
+               np.float32(scale), int(window), _perm(kind, hd), bool(v_rotated), hadamard_block(hd),
+               min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
+    return out
