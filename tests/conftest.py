@@ -21,6 +21,11 @@ def model_path(key: str) -> Path:
     return resolve(MODELS[key], progress=False)
 
 
+def pulled(name: str) -> Path:
+    """A known model by its full name, pulled into the cache if it is not there yet."""
+    return model_path({v: k for k, v in MODELS.items()}[name])
+
+
 @lru_cache(maxsize=None)
 def llamacpp_fixture(key: str) -> dict:
     return json.loads((FIXTURES / f"llamacpp_{key}.json").read_text())

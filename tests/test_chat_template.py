@@ -18,9 +18,10 @@ FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "chat_templates.json"
 
 
 def real_model(name: str) -> Path:
-    path = models_dir() / KNOWN_MODELS[name].filename
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: run `edgekv pull {name}` first")
+    from conftest import pulled
+
+    path = pulled(name)  # pulled on first use, like `edgekv pull NAME`
+    assert path == models_dir() / KNOWN_MODELS[name].filename
     return path
 
 

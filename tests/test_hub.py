@@ -344,10 +344,11 @@ def test_list_models(home, fake_pip):
 def test_real_model_in_cache_verifies(name):
     """The real files are pulled once per machine (`edgekv pull NAME`); here their checksum
     is re-verified and resolve() must find them without pulling."""
+    from conftest import pulled
+
     spec = hub.KNOWN_MODELS[name]
     path = hub.models_dir() / spec.filename
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: run `edgekv pull {name}` first")
+    assert pulled(name) == path  # pulled on first use, like `edgekv pull NAME`
     assert path.stat().st_size == spec.size
     assert hub.verify(name, progress=False)
     assert hub.resolve(name, pull=False) == path
