@@ -112,6 +112,37 @@ class LLM:
         yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
                             stop=stop, cancel=cancel, stats=self.stats)
 
+    def chat(self, messages: list[dict], *, stream: bool = False, max_tokens: int = 256, **kw):
+        """OpenAI-style chat completion: messages [{"role", "content"}] -> a dict shaped like
+        OpenAI's response, or (stream=True) an iterator of chunk dicts. Keywords as generate()."""
+        import time as _time
+        import uuid
+
+        text = self.template.render(messages, add_generation_prompt=True)
+        tok = self.tokenizer
+        has_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
+        ids = tok.encode(text, add_bos=False if has_bos else None, special=True)
+        head = dict(id="chatcmpl-" + uuid.uuid4().hex[:24], created=int(_time.time()), model=self.path.name)
+        events = self.generate(ids, max_tokens=max_tokens, **kw)
+        if stream:
+            def chunks():
+                yield dict(head, object="chat.completion.chunk",
+                           choices=[dict(index=0, delta={"role": "assistant"}, finish_reason=None)])
+                for e in events:
+                    delta = {"content": e.text} if e.text else {}
+                    yield dict(head, object="chat.completion.chunk",
+                               choices=[dict(index=0, delta=delta, finish_reason=e.finish_reason)])
+            return chunks()
+        parts, reason = [], None
+        for e in events:
+            parts.append(e.text)
+            reason = e.finish_reason or reason
+        st = self.stats
+        return dict(head, object="chat.completion",
+                    choices=[dict(index=0, message={"role": "assistant", "content": "".join(parts)}, finish_reason=reason)],
+                    usage=dict(prompt_tokens=st.prompt_tokens, completion_tokens=st.generated_tokens,
+                               total_tokens=st.prompt_tokens + st.generated_tokens))
+
     def session(self, system: str | None = None, **kw) -> "ChatSession":
         """A chat that keeps its KV cache between turns (see edgekv.ChatSession)."""
         from .session import ChatSession

@@ -134,3 +134,15 @@ def test_failed_save_keeps_previous_file(tmp_path, monkeypatch):
         s.save(path)
     assert path.read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_openai_shaped_chat():
+    llm = get_llm()
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    r = llm.chat(msgs, max_tokens=8, temperature=0)
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
+    assert r["usage"]["completion_tokens"] <= 8 and r["usage"]["prompt_tokens"] > 0
+    chunks = list(llm.chat(msgs, max_tokens=8, temperature=0, stream=True))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == r["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == r["choices"][0]["finish_reason"]
