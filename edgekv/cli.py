@@ -103,10 +103,7 @@ def cmd_run(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     llm = load(args.model, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, progress=not args.quiet)
     if args.chat:
-        text = llm.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        tok = llm.tokenizer
-        has_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
-        prompt_in = tok.encode(text, add_bos=False if has_bos else None, special=True)
+        prompt_in = llm.chat_ids(llm.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True))
     else:
         prompt_in = prompt
     pieces, reason = [], None

@@ -112,16 +112,20 @@ class LLM:
         yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
                             stop=stop, cancel=cancel, stats=self.stats)
 
+    def chat_ids(self, rendered: str) -> list[int]:
+        """Token ids of a rendered chat prompt: special tokens parsed, and BOS added only when
+        the model wants one and the template did not already write it (gemma's does)."""
+        tok = self.tokenizer
+        has_bos = tok.bos_id is not None and rendered.startswith(tok.token_text(tok.bos_id))
+        return tok.encode(rendered, add_bos=False if has_bos else None, special=True)
+
     def chat(self, messages: list[dict], *, stream: bool = False, max_tokens: int = 256, **kw):
         """OpenAI-style chat completion: messages [{"role", "content"}] -> a dict shaped like
         OpenAI's response, or (stream=True) an iterator of chunk dicts. Keywords as generate()."""
         import time as _time
         import uuid
 
-        text = self.template.render(messages, add_generation_prompt=True)
-        tok = self.tokenizer
-        has_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
-        ids = tok.encode(text, add_bos=False if has_bos else None, special=True)
+        ids = self.chat_ids(self.template.render(messages, add_generation_prompt=True))
         head = dict(id="chatcmpl-" + uuid.uuid4().hex[:24], created=int(_time.time()), model=self.path.name)
         events = self.generate(ids, max_tokens=max_tokens, **kw)
         if stream:

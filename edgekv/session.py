@@ -49,8 +49,7 @@ class ChatSession:
         tok = self.llm.tokenizer
         if self.seq.tokens and self._cached_text is not None and text.startswith(self._cached_text):
             return self.seq.tokens + tok.encode(text[len(self._cached_text):], add_bos=False, special=True)
-        has_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
-        return tok.encode(text, add_bos=False if has_bos else None, special=True)
+        return self.llm.chat_ids(text)
 
     def send(self, text: str, *, stream: bool = False, max_tokens: int | None = None,
              stop: list[str] | tuple = (), cancel: threading.Event | None = None):
