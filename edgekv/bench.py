@@ -163,7 +163,6 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
         runtimes.append(LlamaCppRunner)
     rows = []
     bar = tqdm(total=len(cases) * len(runtimes) * (reps + 1), desc="bench", file=sys.stderr, disable=not progress)
-    bandwidth = measure_read_bandwidth()
     rng = np.random.default_rng(seed)
     by_setup: dict = {}
     for c in cases:
@@ -185,6 +184,7 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
         del runners
         gc.collect()
     bar.close()
+    bandwidth = measure_read_bandwidth()  # last: its 1 GiB array must not count in peak RSS
     return {"rows": rows, "bandwidth": bandwidth, "model": str(path)}
 
 
