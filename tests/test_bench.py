@@ -1,0 +1,29 @@
+"""`edgekv bench` and `edgekv perplexity` end to end on a tiny synthetic model (speed is never
+asserted; the tables' shape and sanity are)."""
+import json
+
+from edgekv.cli import main
+
+
+def test_bench_table_and_json(tmp_path, capsys):
+    from edgekv.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "t.gguf", arch="llama", size="tiny", qtype="q4_0", progress=False)
+    assert main(["bench", str(path), "-p", "16", "-n", "4", "-d", "0,8", "-r", "2", "--kv", "f16,int8", "-q", "-o", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["rows"]
+    assert {r["test"] for r in rows} == {"pp16", "tg4", "pp16 @ d8", "tg4 @ d8"}
+    assert {r["kv"] for r in rows} == {"f16", "int8"}
+    assert all(r["tokens_per_s"] > 0 for r in rows) and out["read_bandwidth_gb_s"] > 0
+    assert all(0 < r["bandwidth_share"] for r in rows if r["test"].startswith("tg"))
+
+
+def test_perplexity_json(tmp_path, capsys):
+    from edgekv.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "t.gguf", arch="llama", size="tiny", qtype="q8_0", progress=False)
+    text = tmp_path / "t.txt"
+    text.write_text("the model reads the text and the cache keeps the keys " * 20)
+    assert main(["perplexity", str(path), str(text), "--ctx", "32", "--kv", "int8", "--kl-base", "f16", "-q"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    assert res["f16"]["ppl"] > 1 and res["int8"]["mean_kl"] >= 0 and 0 <= res["int8"]["top1_agreement"] <= 1
