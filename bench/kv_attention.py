@@ -3,8 +3,7 @@
 Decode (one query) reads the whole cache once, so the table gives time per call and the
 cache bytes read per second (K and V with their scales): how near memory speed it runs
 (a 2-core znver4 streams ~20 GB/s per core). Each call reads a different layer's ring from
-a set larger than the L3 cache, as a real forward pass does. ops.attention (the f16 kernel
-the backend uses today) is timed on the same rings as a reference row. Two threads on a
+a set larger than the L3 cache, as a real forward pass does. Two threads on a
 busy 2-core machine measure the scheduler (a parallel call waits ~8 ms for a descheduled
 thread): run it on a quiet machine.
 
@@ -21,7 +20,6 @@ import numpy as np
 
 from edgekv.backends.cpu import CPUBackend
 from edgekv.kernels_cpu import kvquant as kq
-from edgekv.kernels_cpu import ops
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Gemma-3-270M": (4, 1, 256)}  # (H, Hkv, hd)
 SLOTS = (512, 2048, 4096)
@@ -71,20 +69,15 @@ def bench_decode(rng) -> None:
             q = rng.standard_normal((1, H, hd)).astype(np.float32)
             q_pos = np.array([slots - 1], np.int64)
             t_f16 = None
-            for kind in ("f16", "int8", "int4", "ops-f16"):
-                base = "f16" if kind == "ops-f16" else kind
-                nbytes = ring_bytes(base, slots, Hkv, hd)
+            for kind in ("f16", "int8", "int4"):
+                nbytes = ring_bytes(kind, slots, Hkv, hd)
                 n_layers = max(4, WORKING_SET // nbytes)
-                rings = make_rings(base, slots, Hkv, hd, n_layers, rng)
+                rings = make_rings(kind, slots, Hkv, hd, n_layers, rng)
                 out = np.empty_like(q)
-                if kind == "ops-f16":
-                    def fn(l, rings=rings):
-                        k, _, v, _ = rings[l]
-                        ops.attention(q, k, v, q_pos, pos, 0.125, 0, out)
-                else:
-                    def fn(l, rings=rings, kind=kind):
-                        k, ks, v, vs = rings[l]
-                        kq.kv_attention(kind, q, None, q_pos, k, ks, v, vs, pos, 4, None, None, None, 0.125, 0, False, out)
+
+                def fn(l, rings=rings, kind=kind):
+                    k, ks, v, vs = rings[l]
+                    kq.kv_attention(kind, q, None, q_pos, k, ks, v, vs, pos, 4, None, None, None, 0.125, 0, False, out)
                 t = time_calls(fn, n_layers)
                 t_f16 = t if kind == "f16" else t_f16
                 print(f"| {name} ({H}/{Hkv}/{hd}) | {slots} | {kind} | {t * 1e6:.1f} | {nbytes / t / 1e9:.1f} | {t_f16 / t:.2f}x |")

@@ -51,7 +51,7 @@ KV_HADAMARD_PAR_MIN = 1 << 16  # elements from which hadamard_ runs rows in para
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
-_NEG = np.float32(-3.0e38)  # "no score yet", as in ops.attention
+_NEG = np.float32(-3.0e38)  # "no score yet"; finite, so no inf arithmetic is needed
 _FM = {"nsz", "arcp", "contract", "reassoc", "afn"}
 _KERNEL = dict(cache=True, error_model="numpy", fastmath=_FM)
 # Quantizing stays exact IEEE (no arcp: max|x| / 127 must not become max|x| * (1/127)), so

@@ -1,7 +1,8 @@
-"""The non-matmul kernels of the forward pass: norms, rotary embedding, gated activations,
-residual adds and attention over a KV cache.
+"""The non-matmul kernels of the forward pass: norms, rotary embedding, gated activations and
+residual adds, plus the float helpers (`_expf`, `_widen`) that kvquant's attention shares.
+Attention itself lives in kvquant.py, over f16, int8 and int4 rings alike.
 
-Inputs are float32 arrays (the KV cache may be float16) and should be C-contiguous: the
+Inputs are float32 arrays and should be C-contiguous: the
 wrappers check dtypes and shapes and raise ValueError on misuse, allocate `out` when it is
 not given, and never copy a contiguous input; the jitted cores trust their inputs. At decode
 (one token) these run ~10 times per layer per token, so the wrappers stay thin (about a
@@ -18,25 +19,19 @@ from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic
 
-# Sizes (elements; for attention n_query * n_head * n_key * head_dim) from which the parallel
-# core won on a 2-core znver4, where waking the pool costs ~2.5 us; below them, serial.
+# Sizes (elements) from which the parallel core won on a 2-core znver4, where waking the pool costs ~2.5 us; below them, serial.
 ELEMENTWISE_PAR_MIN = 1 << 16  # silu_mul, gelu_mul
 RMSNORM_PAR_MIN = 1 << 16
 ROPE_PAR_MIN = 1 << 14  # sin/cos per token make rope heavier per element
-ATTN_PAR_MIN = 1 << 16
-ATTN_Q_BLOCK = 16  # queries per attention task (they share the tile-skipping test)
-ATTN_SPLIT_MIN_KEYS = 256  # fewest keys per split when decode splits the cache
 
 # numpy's builtin dtypes are singletons, so `a.dtype is _F32` is the cheapest exact check
 _F32 = np.dtype(np.float32)
-_F16 = np.dtype(np.float16)
 _I64 = np.dtype(np.int64)
 
 # Arithmetic stays float32: numba would widen float32 * python-float to float64.
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _HALF = np.float32(0.5)
-_NEG = np.float32(-3.0e38)  # "no score yet"; finite, so no inf arithmetic is needed
 # Options of every core. Reassociation lets the reductions vectorize; nnan/ninf stay off so
 # comparisons keep meaning. error_model="numpy" drops python's ZeroDivisionError check on
 # float division, a branch that stops LLVM from vectorizing the loop around it.
@@ -360,266 +355,3 @@ def get_rows_f32(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = No
     if out is None:
         out = np.empty((ids.shape[0], table.shape[1]), _F32)
     return np.take(table, ids, axis=0, out=out)
-
-
-# --- attention over a KV cache --------------------------------------------------------
-# Flash-attention style: each (query, head) row walks the keys in tiles, keeping a running
-# max (m), denominator (l) and weighted value sum (acc), so scores never exist for all keys
-# at once. Tasks are (query block, kv head, key split); decode has one query, so it splits
-# the keys among threads and merges the partial softmaxes. K and V are widened from f16
-# inside the dot and the value sum (one vcvtph2ps per 16 values): measured faster than
-# widening each tile into a float32 scratch first (~300 vs ~520 us, 4096 keys, 9/3 heads).
-
-_ATTN_TILE = 64  # keys per online-softmax step
-
-
-@njit(inline="always", **_KERNEL)
-def _visible(kp, qp, window):
-    # empty slots have kp < 0; llama.cpp's SWA masks a key when qp - kp >= window
-    return kp >= 0 and kp <= qp and (window == 0 or qp - kp < window)
-
-
-@njit(**_KERNEL)
-def _attn_block(q, k, v, q_pos, k_pos, scale, window, i0, i1, g, j0, j1, acc, m, l, sc, ok):
-    """Attend queries i0:i1 of kv head g's query heads to keys j0:j1, updating
-    acc (rows, hd), m (rows,), l (rows,) with rows ordered (query, head in group).
-    Scratch: sc (_ATTN_TILE,) scores then probabilities, ok (_ATTN_TILE,) visibility."""
-    hd = q.shape[2]
-    grp = q.shape[1] // k.shape[1]
-    qmin = q_pos[i0]
-    qmax = q_pos[i0]
-    for i in range(i0, i1):
-        qmin = min(qmin, q_pos[i])
-        qmax = max(qmax, q_pos[i])
-    for t0 in range(j0, j1, _ATTN_TILE):
-        nt = min(_ATTN_TILE, j1 - t0)
-        # skip tiles no query of the block sees (future keys in prefill, outside the window)
-        anyv = False
-        for jj in range(nt):
-            kp = k_pos[t0 + jj]
-            if kp >= 0 and kp <= qmax and (window == 0 or qmin - kp < window):
-                anyv = True
-                break
-        if not anyv:
-            continue
-        for i in range(i0, i1):
-            qp = q_pos[i]
-            nv = 0
-            for jj in range(nt):
-                ok[jj] = _visible(k_pos[t0 + jj], qp, window)
-                nv += ok[jj]
-            if nv == 0:
-                continue
-            for hh in range(grp):
-                h = g * grp + hh
-                r = (i - i0) * grp + hh
-                mt = _NEG
-                for jj in range(nt):
-                    s = _F0
-                    for d in range(hd):
-                        s += q[i, h, d] * _widen(k[t0 + jj, g, d])
-                    s *= scale
-                    sc[jj] = s
-                    if ok[jj] and s > mt:
-                        mt = s
-                if mt > m[r]:
-                    if m[r] > _NEG:
-                        alpha = _expf(m[r] - mt)
-                        l[r] *= alpha
-                        for d in range(hd):
-                            acc[r, d] *= alpha
-                    m[r] = mt
-                mr = m[r]
-                lsum = _F0
-                for jj in range(nt):
-                    p = _expf(sc[jj] - mr) if ok[jj] else _F0
-                    sc[jj] = p
-                    lsum += p
-                l[r] += lsum
-                # value sum four keys per pass (a quarter of the acc loads and stores);
-                # hidden keys are skipped, not multiplied by 0: empty slots may hold NaN
-                jj = 0
-                while jj < nt:
-                    j = t0 + jj
-                    if jj + 4 <= nt and ok[jj] and ok[jj + 1] and ok[jj + 2] and ok[jj + 3]:
-                        p0, p1, p2, p3 = sc[jj], sc[jj + 1], sc[jj + 2], sc[jj + 3]
-                        for d in range(hd):
-                            acc[r, d] += (
-                                p0 * _widen(v[j, g, d])
-                                + p1 * _widen(v[j + 1, g, d])
-                                + p2 * _widen(v[j + 2, g, d])
-                                + p3 * _widen(v[j + 3, g, d])
-                            )
-                        jj += 4
-                    else:
-                        if ok[jj]:
-                            p0 = sc[jj]
-                            for d in range(hd):
-                                acc[r, d] += p0 * _widen(v[j, g, d])
-                        jj += 1
-
-
-@njit(**_KERNEL)
-def _attn_task(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out, pm, pl, pacc, t, scratch):
-    """Run task t = (query block, kv head, key split); scratch is (acc, m, l, sc, ok) sized
-    for bq queries, allocated once per thread of work (allocation costs ~0.1 us each)."""
-    acc, m, l, sc, ok = scratch
-    n, n_head, hd = q.shape
-    n_kv, n_head_kv = k.shape[0], k.shape[1]
-    grp = n_head // n_head_kv
-    nqb = (n + bq - 1) // bq
-    s = t % n_split
-    g = (t // n_split) % n_head_kv
-    b = t // (n_split * n_head_kv)
-    # interleave light (early) and heavy (late) causal blocks so static chunks balance
-    qb = b // 2 if b % 2 == 0 else nqb - 1 - b // 2
-    i0 = qb * bq
-    i1 = min(n, i0 + bq)
-    split_len = (n_kv + n_split - 1) // n_split
-    j0 = min(n_kv, s * split_len)
-    j1 = min(n_kv, j0 + split_len)
-    rows = (i1 - i0) * grp
-    acc[:rows] = _F0
-    m[:rows] = _NEG
-    l[:rows] = _F0
-    _attn_block(q, k, v, q_pos, k_pos, np.float32(scale), window, i0, i1, g, j0, j1, acc, m, l, sc, ok)
-    for i in range(i0, i1):
-        for hh in range(grp):
-            r = (i - i0) * grp + hh
-            h = g * grp + hh
-            if n_split == 1:
-                inv = _F1 / l[r] if l[r] > _F0 else _F0  # a query that sees no key gets zeros
-                for d in range(hd):
-                    out[i, h, d] = acc[r, d] * inv
-            else:
-                pm[i, h, s] = m[r]
-                pl[i, h, s] = l[r]
-                for d in range(hd):
-                    pacc[i, h, s, d] = acc[r, d]
-
-
-@njit(**_KERNEL)
-def _attn_scratch(q, k, bq):
-    rows = bq * (q.shape[1] // k.shape[1])
-    return (
-        np.empty((rows, q.shape[2]), np.float32),
-        np.empty(rows, np.float32),
-        np.empty(rows, np.float32),
-        np.empty(_ATTN_TILE, np.float32),
-        np.empty(_ATTN_TILE, np.bool_),
-    )
-
-
-@njit(**_KERNEL)
-def _attn_merge(pm, pl, pacc, out):
-    """Combine per-split softmax partials (max m, denominator l, unnormalized sum)."""
-    n, n_head, n_split, hd = pacc.shape
-    for i in range(n):
-        for h in range(n_head):
-            mx = _NEG
-            for s in range(n_split):
-                if pl[i, h, s] > _F0:
-                    mx = max(mx, pm[i, h, s])
-            for d in range(hd):
-                out[i, h, d] = _F0
-            den = _F0
-            for s in range(n_split):
-                if pl[i, h, s] > _F0:
-                    w = _expf(pm[i, h, s] - mx)
-                    den += w * pl[i, h, s]
-                    for d in range(hd):
-                        out[i, h, d] += w * pacc[i, h, s, d]
-            inv = _F1 / den if den > _F0 else _F0
-            for d in range(hd):
-                out[i, h, d] *= inv
-
-
-@njit(**_KERNEL)
-def _attn_serial(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out):
-    n, n_head, hd = q.shape
-    pm = np.empty((n, n_head, n_split), np.float32)  # (n, n_head, n_split) partial maxima
-    pl = np.empty((n, n_head, n_split), np.float32)  # partial denominators
-    pacc = np.empty((n, n_head, n_split if n_split > 1 else 0, hd), np.float32)
-    scratch = _attn_scratch(q, k, bq)
-    for t in range(((n + bq - 1) // bq) * k.shape[1] * n_split):
-        _attn_task(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out, pm, pl, pacc, t, scratch)
-    if n_split > 1:
-        _attn_merge(pm, pl, pacc, out)
-
-
-@njit(parallel=True, **_KERNEL)
-def _attn_parallel(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out):
-    n, n_head, hd = q.shape
-    pm = np.empty((n, n_head, n_split), np.float32)
-    pl = np.empty((n, n_head, n_split), np.float32)
-    pacc = np.empty((n, n_head, n_split if n_split > 1 else 0, hd), np.float32)
-    for t in prange(((n + bq - 1) // bq) * k.shape[1] * n_split):
-        scratch = _attn_scratch(q, k, bq)  # per task: threads must not share it
-        _attn_task(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out, pm, pl, pacc, t, scratch)
-    if n_split > 1:
-        _attn_merge(pm, pl, pacc, out)
-
-
-def attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    q_pos: np.ndarray,
-    k_pos: np.ndarray,
-    scale: float,
-    window: int = 0,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """softmax(q k^T * scale + mask) v for q (n, n_head, hd) float32 against a KV cache
-    k, v (n_kv, n_head_kv, hd), both float16 or both float32.
-
-    Query head h reads kv head h // (n_head // n_head_kv) (GQA). Query i sees key j iff
-    0 <= k_pos[j] <= q_pos[i] and (window == 0 or q_pos[i] - k_pos[j] < window): causal by
-    position, so cache slots may be in any order (a ring), and k_pos = -1 marks an empty
-    slot, whose contents (even NaN) never reach the output. q_pos (n,), k_pos (n_kv,) int64;
-    window >= 0. A query that sees no key gets zeros. Returns out (n, n_head, hd) float32."""
-    if q.dtype is not _F32 or q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
-        raise ValueError(
-            f"attention: q {q.dtype}{q.shape} must be float32 (n, n_head, hd), "
-            f"k {k.shape} and v {v.shape} equal (n_kv, n_head_kv, hd)"
-        )
-    n, n_head, hd = q.shape
-    n_kv, n_head_kv, khd = k.shape
-    if khd != hd or n_head_kv == 0 or n_head % n_head_kv:
-        raise ValueError(f"attention: k {k.shape} does not fit q {q.shape} (head_dim, GQA groups)")
-    if q_pos.dtype is not _I64 or k_pos.dtype is not _I64 or q_pos.shape != (n,) or k_pos.shape != (n_kv,):
-        raise ValueError(
-            f"attention: q_pos {q_pos.dtype}{q_pos.shape}, k_pos {k_pos.dtype}{k_pos.shape} "
-            f"must be int64 ({n},), ({n_kv},)"
-        )
-    if window < 0:
-        raise ValueError(f"attention: window={window} must be >= 0 (0: no sliding window)")
-    if out is None:
-        out = np.empty(q.shape, _F32)
-    elif out.dtype is not _F32 or out.shape != q.shape:
-        raise ValueError(f"attention: out {out.dtype}{out.shape} must be float32 {q.shape}")
-    if k.dtype is _F16 and v.dtype is _F16:
-        k = k.view(np.uint16)  # the cores read half bits through _widen
-        v = v.view(np.uint16)
-    elif k.dtype is not _F32 or v.dtype is not _F32:
-        raise ValueError(f"attention: k, v must both be float16 or float32, not {k.dtype}, {v.dtype}")
-    if n == 0:
-        return out
-    scale, window = float(scale), int(window)  # python scalars: one compiled signature
-    bq = min(n, ATTN_Q_BLOCK)
-    if n * n_head * n_kv * hd < ATTN_PAR_MIN:
-        _attn_serial(q, k, v, q_pos, k_pos, scale, window, bq, 1, out)
-        return out
-    # Too few (query block, kv head) tasks to fill the threads: split the keys too, into a
-    # count that divides evenly among threads (numba's omp prange schedules statically).
-    threads = get_num_threads()
-    tasks = ((n + bq - 1) // bq) * n_head_kv
-    max_split = max(1, n_kv // ATTN_SPLIT_MIN_KEYS)
-    n_split = 1
-    if tasks < 2 * threads and max_split > 1:
-        n_split = -(-2 * threads // tasks)
-        while (tasks * n_split) % threads and n_split < max_split:
-            n_split += 1
-        n_split = min(n_split, max_split)
-    _attn_parallel(q, k, v, q_pos, k_pos, scale, window, bq, n_split, out)
-    return out

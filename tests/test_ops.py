@@ -15,7 +15,7 @@ RNG = np.random.default_rng(1234)
 def path(request, monkeypatch):
     """Run a test through the serial and the parallel cores by moving the thresholds."""
     big = 1 << 62
-    for name in ("ELEMENTWISE_PAR_MIN", "RMSNORM_PAR_MIN", "ROPE_PAR_MIN", "ATTN_PAR_MIN"):
+    for name in ("ELEMENTWISE_PAR_MIN", "RMSNORM_PAR_MIN", "ROPE_PAR_MIN"):
         monkeypatch.setattr(ops, name, 0 if request.param == "parallel" else big)
     return request.param
 
@@ -54,25 +54,6 @@ def ref_silu_mul(g, u):
 def ref_gelu_mul(g, u):
     g = g.astype(np.float64)
     return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3))) * u.astype(np.float64)
-
-
-def ref_attention(q, k, v, q_pos, k_pos, scale, window):
-    n, n_head, hd = q.shape
-    grp = n_head // k.shape[1]
-    k = k.astype(np.float64)
-    v = v.astype(np.float64)
-    out = np.zeros((n, n_head, hd))
-    for i in range(n):
-        vis = (k_pos >= 0) & (k_pos <= q_pos[i])
-        if window:
-            vis &= q_pos[i] - k_pos < window
-        if not vis.any():
-            continue
-        for h in range(n_head):
-            s = k[vis, h // grp] @ q[i, h].astype(np.float64) * scale
-            p = np.exp(s - s.max())
-            out[i, h] = p @ v[vis, h // grp] / p.sum()
-    return out
 
 
 def randn(*shape, scale=1.0):
@@ -208,106 +189,3 @@ def test_add_scale_rows():
         ops.get_rows_f32(table, np.array([50]))
     with pytest.raises(ValueError):
         ops.add_(a, b[:2])
-
-
-# --- attention ------------------------------------------------------------------------
-
-
-def make_cache(n_kv, n_head_kv, hd, dtype, n_empty=0, ring=True):
-    """A cache with slots in shuffled order (a ring that wrapped) and some empty slots
-    holding NaN, which must never reach the output."""
-    k = randn(n_kv, n_head_kv, hd).astype(dtype)
-    v = randn(n_kv, n_head_kv, hd).astype(dtype)
-    k_pos = RNG.permutation(n_kv).astype(np.int64) if ring else np.arange(n_kv, dtype=np.int64)
-    if n_empty:
-        empty = RNG.choice(n_kv, n_empty, replace=False)
-        k_pos[empty] = -1
-        k[empty] = np.nan
-        v[empty] = np.nan
-    return k, v, k_pos
-
-
-ATTN_CASES = [
-    # n, n_head, n_head_kv, hd, n_kv, window
-    (1, 9, 3, 64, 300, 0),  # decode, SmolLM2 heads
-    (1, 4, 1, 256, 700, 512),  # decode, gemma3 heads, sliding window
-    (2, 9, 3, 64, 37, 0),
-    (7, 4, 1, 256, 130, 16),
-    (64, 9, 3, 64, 200, 0),  # prefill-like: causal among the new tokens
-    (64, 4, 1, 256, 96, 40),
-]
-
-
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("n, n_head, n_head_kv, hd, n_kv, window", ATTN_CASES)
-def test_attention(dtype, n, n_head, n_head_kv, hd, n_kv, window, path):
-    k, v, k_pos = make_cache(n_kv, n_head_kv, hd, dtype, n_empty=n_kv // 10)
-    q = randn(n, n_head, hd)
-    # queries are the last n positions; the window (when set) hides the oldest keys
-    q_pos = np.arange(n_kv - n, n_kv, dtype=np.int64)
-    scale = 1.0 / np.sqrt(hd)
-    got = ops.attention(q, k, v, q_pos, k_pos, scale, window)
-    assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, ref_attention(q, k, v, q_pos, k_pos, scale, window), rtol=1e-5, atol=2e-6)
-
-
-def test_attention_sharp_softmax_and_out():
-    # large scores exercise the max subtraction and the rescaling between tiles
-    k, v, k_pos = make_cache(500, 2, 64, np.float16, ring=False)
-    q = randn(3, 4, 64, scale=8.0)
-    q_pos = np.array([499, 250, 10], np.int64)
-    out = np.empty_like(q)
-    assert ops.attention(q, k, v, q_pos, k_pos, 1.0, 0, out=out) is out
-    np.testing.assert_allclose(out, ref_attention(q, k, v, q_pos, k_pos, 1.0, 0), rtol=1e-5, atol=2e-6)
-
-
-def test_attention_window_boundary():
-    # q_pos - k_pos == window is masked, window - 1 is not (llama.cpp is_masked_swa);
-    # with q = 0 the weights are uniform, so one-hot values count the visible keys
-    n_kv, window = 12, 4
-    k = randn(n_kv, 1, 16)
-    v = np.zeros((n_kv, 1, 16), np.float32)
-    v[np.arange(n_kv), 0, np.arange(n_kv)] = 1.0
-    q = np.zeros((1, 1, 16), np.float32)
-    k_pos = np.arange(n_kv, dtype=np.int64)
-    got = ops.attention(q, k, v, np.array([10], np.int64), k_pos, 1.0, window)[0, 0]
-    want = ref_attention(q, k, v, np.array([10], np.int64), k_pos, 1.0, window)[0, 0]
-    np.testing.assert_allclose(got, want, atol=1e-7)
-    assert np.nonzero(got)[0].tolist() == [7, 8, 9, 10]
-
-
-def test_attention_no_visible_key_gives_zeros():
-    k, v, k_pos = make_cache(20, 1, 32, np.float32, ring=False)
-    k_pos += 5  # every key is in the future of query position 2
-    got = ops.attention(randn(1, 2, 32), k, v, np.array([2], np.int64), k_pos, 0.2)
-    np.testing.assert_array_equal(got, 0.0)
-
-
-@pytest.mark.parametrize("core", ["_attn_serial", "_attn_parallel"])
-@pytest.mark.parametrize("n_split", [2, 3, 7])
-def test_attention_key_splits_merge(core, n_split):
-    # decode splits the keys among threads; the thread count decides the split, so the
-    # merge is tested at fixed split counts, with one split holding only empty slots
-    k, v, k_pos = make_cache(700, 3, 64, np.float16, n_empty=20, ring=False)
-    k_pos[:100] = -1
-    k[:100] = v[:100] = np.nan
-    q = randn(1, 9, 64)
-    q_pos = np.array([699], np.int64)
-    out = np.empty_like(q)
-    getattr(ops, core)(q, k.view(np.uint16), v.view(np.uint16), q_pos, k_pos, 0.125, 0, 1, n_split, out)
-    np.testing.assert_allclose(out, ref_attention(q, k, v, q_pos, k_pos, 0.125, 0), rtol=1e-5, atol=2e-6)
-
-
-def test_attention_rejects_bad_inputs():
-    k, v, k_pos = make_cache(10, 2, 16, np.float16)
-    q, q_pos = randn(1, 4, 16), np.array([9], np.int64)
-    with pytest.raises(ValueError):  # 3 query heads do not share 2 kv heads
-        ops.attention(randn(1, 3, 16), k, v, q_pos, k_pos, 1.0)
-    with pytest.raises(ValueError):
-        ops.attention(q, k, v.astype(np.float32), q_pos, k_pos, 1.0)
-    with pytest.raises(ValueError):
-        ops.attention(q, k, v, q_pos.astype(np.int32), k_pos, 1.0)
-    with pytest.raises(ValueError):
-        ops.attention(q, k[:, :, :8], v[:, :, :8], q_pos, k_pos, 1.0)
-    with pytest.raises(ValueError):
-        ops.attention(q, k, v, q_pos, k_pos, 1.0, window=-1)
