@@ -21,7 +21,7 @@ from numba import cuda
 
 from . import launch
 from .launch import blocks, launch as _launch
-from .ops import MAXT, _F0, _F1, _NEG, f2h, h2f, rint, tree_max, tree_sum
+from .ops import MAXT, _F0, _F1, _NEG, f2h, h2f, rint
 
 KINDS = ("f16", "int8", "int4")
 GROUP = 32
@@ -65,6 +65,29 @@ def ring_value(kind, h, b, s, j, g, c):
     byte = np.int32(b[j, g, c // 2])
     q = (byte >> 4) if c % 2 else (byte & 15)
     return d * np.float32(q - 8)
+
+
+# The block reductions are this module's own: under the CUDA simulator a device function from
+# another module that calls cuda.syncthreads() can see the real numba.cuda instead of the
+# simulated one (the simulator swaps module globals per call, unsynchronized across threads).
+@cuda.jit(device=True)
+def _tree_sum(red, t, nt):
+    s = nt // 2
+    while s > 0:
+        if t < s:
+            red[t] += red[t + s]
+        cuda.syncthreads()
+        s //= 2
+
+
+@cuda.jit(device=True)
+def _tree_max(red, t, nt):
+    s = nt // 2
+    while s > 0:
+        if t < s:
+            red[t] = max(red[t], red[t + s])
+        cuda.syncthreads()
+        s //= 2
 
 
 @cuda.jit
@@ -188,7 +211,7 @@ def _attn_kernel(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_ring, n_
                         sc += qsh[c] * fk[j - n_ring, g, c]
         red[tid] = sc
         cuda.syncthreads()
-        tree_max(red, tid, nt)
+        _tree_max(red, tid, nt)
         mt = red[0]
         cuda.syncthreads()  # all have read red[0] before it is reused
         if mt > _NEG:  # the same for every thread of the block
@@ -198,7 +221,7 @@ def _attn_kernel(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_ring, n_
             pr[tid] = p
             red[tid] = p
             cuda.syncthreads()
-            tree_sum(red, tid, nt)
+            _tree_sum(red, tid, nt)
             l_run = l_run * alpha + red[0]
             m_run = m_new
             jn = min(nt, n_all - j0)

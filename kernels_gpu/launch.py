@@ -9,6 +9,7 @@ from __future__ import annotations
 THREADS = 128  # threads per block for row-parallel kernels (matvec rows, norms, attention)
 ELEMWISE = 256  # threads per block for elementwise kernels
 MAX_THREADS = 256  # compile-time bound of THREADS (shared reduction arrays); a power of two
+MATMUL_ROWS = 1  # weight rows one matmul block computes in turn (more: fewer, longer blocks)
 TOK_TILE = 8  # prefill: tokens one matmul block multiplies with each decoded weight unit
 MAX_HD = 256  # compile-time bound of the head dim (per-thread rows in the KV kernels)
 

@@ -88,7 +88,8 @@ def f2h(x):
 
 @cuda.jit(device=True)
 def tree_sum(red, t, nt):
-    """red[0] = sum of red[:nt] (nt a power of two); every thread of the block must call it."""
+    """red[0] = sum of red[:nt] (nt a power of two); every thread of the block must call it.
+    For this module's kernels only (see kvquant.py on device functions that synchronize)."""
     s = nt // 2
     while s > 0:
         if t < s:

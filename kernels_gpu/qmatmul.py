@@ -4,7 +4,7 @@ A weight lives on the device as its raw GGUF rows: uint8 (rows, row_bytes) for t
 float32 (rows, k) for F32 and uint16 half bits (rows, k) for F16 (the same bytes, typed so the
 kernel reads whole values). Every type is read as "units" of 32 consecutive weights of a row:
 one block of a 32-element type, one 32-wide chunk of a 256-element K super-block, 32 floats.
-A matmul block owns one weight row: its threads decode the row's units (each unit once) and
+A matmul block owns one weight row (or MATMUL_ROWS in turn): its threads decode the row's units (each unit once) and
 dot them with a tile of tokens; a shared-memory tree adds the threads' partial sums. Decode
 (one token) uses a one-token tile so no work is wasted; prefill tiles TOK_TILE tokens.
 """
@@ -20,7 +20,7 @@ from edgekv.quants import QUANT_TYPES
 
 from . import launch
 from .launch import blocks, launch as _launch
-from .ops import MAXT, _F0, h2f, half_at, tree_sum
+from .ops import MAXT, _F0, h2f, half_at
 
 # GGML type ids (edgekv/quants.py is the table)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14
@@ -133,8 +133,7 @@ def _make_matmul(tok: int):
     """The matmul kernel for a tile of `tok` tokens (a compile-time constant of the closure)."""
 
     @cuda.jit
-    def kernel(wq, wf, wh, qtype, x, out, col0):
-        r = cuda.blockIdx.x  # the weight row (output column col0 + r)
+    def kernel(wq, wf, wh, qtype, x, out, col0, m, rows_per_block):
         t0 = cuda.blockIdx.y * tok  # first token of the tile
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -142,34 +141,38 @@ def _make_matmul(tok: int):
         k = x.shape[1]
         buf = cuda.local.array(32, np.float32)
         acc = cuda.local.array(tok, np.float32)
-        for j in range(tok):
-            acc[j] = _F0
-        for u in range(tid, (k + 31) // 32, nt):
-            decode_unit(wq, wf, wh, qtype, r, u, k, buf)
-            c0 = 32 * u
-            for j in range(tok):
-                if t0 + j < n:
-                    s = _F0
-                    if c0 + 32 <= k:
-                        for l in range(32):
-                            s += buf[l] * x[t0 + j, c0 + l]
-                    else:
-                        for l in range(k - c0):
-                            s += buf[l] * x[t0 + j, c0 + l]
-                    acc[j] += s
         red = cuda.shared.array((tok, MAXT), np.float32)
-        for j in range(tok):
-            red[j, tid] = acc[j]
-        cuda.syncthreads()
-        s2 = nt // 2
-        while s2 > 0:
-            if tid < s2:
+        r0 = cuda.blockIdx.x * rows_per_block
+        for r in range(r0, min(r0 + rows_per_block, m)):  # the weight row, output column col0 + r
+            for j in range(tok):
+                acc[j] = _F0
+            for u in range(tid, (k + 31) // 32, nt):
+                decode_unit(wq, wf, wh, qtype, r, u, k, buf)
+                c0 = 32 * u
                 for j in range(tok):
-                    red[j, tid] += red[j, tid + s2]
+                    if t0 + j < n:
+                        s = _F0
+                        if c0 + 32 <= k:
+                            for l in range(32):
+                                s += buf[l] * x[t0 + j, c0 + l]
+                        else:
+                            for l in range(k - c0):
+                                s += buf[l] * x[t0 + j, c0 + l]
+                        acc[j] += s
+            for j in range(tok):
+                red[j, tid] = acc[j]
             cuda.syncthreads()
-            s2 //= 2
-        if tid < tok and t0 + tid < n:
-            out[t0 + tid, col0 + r] = red[tid, 0]
+            s2 = nt // 2
+            while s2 > 0:
+                if tid < s2:
+                    for j in range(tok):
+                        red[j, tid] += red[j, tid + s2]
+                cuda.syncthreads()
+                s2 //= 2
+            for j in range(tid, tok, nt):  # blocks may have fewer threads than tokens
+                if t0 + j < n:
+                    out[t0 + j, col0 + r] = red[j, 0]
+            cuda.syncthreads()  # red is rewritten for the next row
 
     return kernel
 
@@ -253,7 +256,9 @@ def qmatmul(x, w: DeviceWeight, out=None, col0: int = 0):
     if n and w.n_out:
         one = n == 1
         kern, tile = (_matmul_1, 1) if one else (_matmul_tile, launch.TOK_TILE)
-        _launch(kern, (w.n_out, blocks(n, tile)), launch.threads(), *w.views(), w.qtype, x, out, col0)
+        rpb = max(1, launch.MATMUL_ROWS)
+        _launch(kern, (blocks(w.n_out, rpb), blocks(n, tile)), launch.threads(), *w.views(), w.qtype, x, out, col0,
+                w.n_out, rpb)
     return out
 
 

@@ -137,7 +137,7 @@ class Model:
             qkv = be.matmul(h, L["attn_qkv"])  # (n, qd + 2 kvd)
             q = be.rmsnorm(qkv[:, :qd].reshape(n, cfg.n_head, hd), L["attn_q_norm"], cfg.norm_eps)
             k = be.rmsnorm(qkv[:, qd : qd + kvd].reshape(n, cfg.n_head_kv, hd), L["attn_k_norm"], cfg.norm_eps)
-            v = np.ascontiguousarray(qkv[:, qd + kvd :]).reshape(n, cfg.n_head_kv, hd)
+            v = qkv[:, qd + kvd :].reshape(n, cfg.n_head_kv, hd)  # a copy where the slice is strided
             q = be.rope(q, pos, L["rope_base"], True, hd, L["rope_scale"])
             k = be.rope(k, pos, L["rope_base"], True, hd, L["rope_scale"])
             rope = (L["rope_base"], True, hd, L["rope_scale"])

@@ -3,6 +3,7 @@ real GPU (with a reason, never a skip), and shrink launch sizes under the simula
 from __future__ import annotations
 
 import os
+import sys
 
 import numba
 import pytest
@@ -16,15 +17,45 @@ from numba import cuda  # noqa: E402  (after the check: the simulator is chosen 
 
 if not cuda.is_available():
     raise RuntimeError(f"numba.cuda is not usable here ({'simulator' if SIM else 'real GPU'})")
+if SIM:
+    # The simulator's block manager busy-polls its threads at every syncthreads; with Python's
+    # default 5 ms GIL switch interval each barrier costs milliseconds.
+    sys.setswitchinterval(1e-5)
+    # The simulator finds a block's shared array by the line that declares it, but unlocked:
+    # two threads switched out between its lookup and its store get different arrays (which
+    # the short switch interval makes likely). Serialize the lookup.
+    import threading
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    _lock = threading.Lock()
+
+    def _locked_array(self, shape, dtype):
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with _lock:
+            res = self._allocations.get(key)
+            if res is None:
+                res = self._allocations[key] = np.empty(shape, dtype)
+        return res
+
+    FakeCUDAShared.array = _locked_array
 
 
 @pytest.fixture(autouse=True)
 def launch_sizes(monkeypatch):
-    """Under the simulator every GPU thread is a Python thread: blocks of 8 (row kernels) and 32
-    (elementwise) keep the tests fast and still take several threads per reduction."""
+    """Under the simulator every GPU thread is a Python thread and every block a batch of them:
+    blocks of 4 threads (row kernels; still two levels of every reduction tree) and 32
+    (elementwise), 32 matmul rows per block, keep the tests fast."""
     if SIM:
         from edgekv.kernels_gpu import launch
 
-        monkeypatch.setattr(launch, "THREADS", 8)
+        monkeypatch.setattr(launch, "THREADS", 4)
         monkeypatch.setattr(launch, "ELEMWISE", 32)
+        monkeypatch.setattr(launch, "MATMUL_ROWS", 32)
     yield
