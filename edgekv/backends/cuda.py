@@ -42,7 +42,7 @@ def cuda_unusable() -> str | None:
     try:
         cuda.current_context()
     except Exception as e:  # noqa: BLE001 (the driver's own words are the reason)
-        return " ".join(str(e).split())[:300] or type(e).__name__
+        return " ".join(str(e).split()).rstrip(" :")[:300] or type(e).__name__
     return "numba.cuda reports no usable GPU"
 
 

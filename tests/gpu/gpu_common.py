@@ -46,6 +46,28 @@ if SIM:
 
     FakeCUDAShared.array = _locked_array
 
+    # The block manager busy-polls every thread for arrival at syncthreads(); a barrier does
+    # the same without the polling (these kernels never let a thread leave before a barrier
+    # the others reach; if one did, the wait times out instead of hanging).
+    from numba.cuda.simulator import kernel as _simk
+
+    def _run_block(self, grid_point, *args):
+        barrier = threading.Barrier(int(np.prod(self._block_dim)), timeout=120)
+        threads = []
+        for block_point in np.ndindex(*self._block_dim):
+            t = _simk.BlockThread(lambda: self._f(*args), self, grid_point, block_point, self._debug)
+            t.syncthreads = barrier.wait
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+        for t in threads:
+            if t.exception:
+                barrier.abort()
+                raise t.exception[0].with_traceback(t.exception[1])
+
+    _simk.BlockManager.run = _run_block
+
 
 @pytest.fixture(autouse=True)
 def launch_sizes(monkeypatch):

@@ -74,12 +74,17 @@ def test_partial_offload(models):
     be = part.backend
     assert be._cpu is not None and be.weight_bytes < full.backend.weight_bytes  # block 1, embeddings, output on the CPU
     from edgekv.backends.cpu import Weight
+
     assert isinstance(part.model.layers[1]["attn_output"], Weight)
     assert not isinstance(part.model.layers[0]["attn_output"], Weight)
-    a, b = part.logits(PROMPT), full.logits(PROMPT)
+    rows = []
+    for llm in (part, full):  # a prefill and a decode step: the residual crosses at the layer boundary
+        c = llm.new_cache()
+        rows.append(np.concatenate([llm.forward(PROMPT, c, 0, last_only=False), llm.forward([5], c, len(PROMPT))]))
+    a, b = rows
     rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
-    assert rel.max() < 3e-2, rel  # 6 tokens: the CPU block takes its int8-activation path
-    assert greedy(part, 2) == greedy(full, 2)
+    assert rel.max() < 3e-2, rel  # the CPU block takes its int8-activation path for <= 7 tokens
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8
 
 
 def test_session_saved_from_the_device(models, tmp_path):
@@ -87,17 +92,17 @@ def test_session_saved_from_the_device(models, tmp_path):
     from edgekv.session import ChatSession
 
     gpu = LLM(models["llama"], n_ctx=32, device="cuda")
-    s = gpu.session(temperature=0.0, max_tokens=1)
-    s.send("hi")
+    s = gpu.session()
+    s.seq.feed(PROMPT[:3])
     lk = s.seq.cache.layers[0]
     ring = lk.__dict__["_cuda_ring"]
     assert not lk.k.any()  # the host copy is stale until a save
     s.save(tmp_path / "s.edgekv")
     np.testing.assert_array_equal(lk.k.view(np.uint16), ring.k.copy_to_host())
-    assert lk.k.any()
+    assert lk.k[:3].any()
     cpu = LLM(models["llama"], n_ctx=32, device="cpu")
     t = ChatSession.load(tmp_path / "s.edgekv", cpu)
-    assert t.n_cached == s.n_cached and np.array_equal(t.seq.cache.layers[1].k, s.seq.cache.layers[1].k)
+    assert t.seq.tokens == PROMPT[:3] and np.array_equal(t.seq.cache.layers[1].k, s.seq.cache.layers[1].k)
 
 
 def test_device_array_numpy_surface():
