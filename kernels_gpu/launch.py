@@ -13,10 +13,6 @@ MATMUL_ROWS = 1  # weight rows one matmul block computes in turn (more: fewer, l
 TOK_TILE = 8  # prefill: tokens one matmul block multiplies with each decoded weight unit
 MAX_HD = 256  # compile-time bound of the head dim (per-thread rows in the KV kernels)
 
-# (kernel name, argument types) of each launch, when a caller wants them (bench/gpu_ptx_check.py
-# compiles every launched signature for a real GPU target without one).
-RECORD: list | None = None
-
 
 def blocks(n: int, per: int) -> int:
     return max(1, (n + per - 1) // per)
@@ -31,6 +27,4 @@ def threads(n: int | None = None) -> int:
 
 
 def launch(kernel, grid, block, *args) -> None:
-    if RECORD is not None:
-        RECORD.append((kernel, args))
     kernel[grid, block](*args)
