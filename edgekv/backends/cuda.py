@@ -19,6 +19,7 @@ Nothing here is imported unless a CUDA device is asked for.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,7 +106,7 @@ class DeviceArray:
         return self.dev.copy_to_host()
 
 
-_consts: dict[int, tuple[np.ndarray, object]] = {}  # id(host array) -> (it, its device copy): model constants
+_consts: dict[int, tuple] = {}  # id(host array) -> (weakref to it, its device copy): model constants
 
 
 def _as_device(a):
@@ -116,11 +117,12 @@ def _as_device(a):
     if not isinstance(a, np.ndarray):
         return a
     hit = _consts.get(id(a))
-    if hit is None or hit[0] is not a:
+    if hit is None or hit[0]() is not a:
         from numba import cuda
 
-        hit = (a, cuda.to_device(np.ascontiguousarray(a, dtype=np.float32)))
+        hit = (weakref.ref(a), cuda.to_device(np.ascontiguousarray(a, dtype=np.float32)))
         _consts[id(a)] = hit
+        weakref.finalize(a, _consts.pop, id(a), None)  # the device copy goes with the host array
     return hit[1]
 
 
@@ -372,12 +374,16 @@ class CUDABackend:
         up to date when the host changed them (trim, reset)."""
         r = kv.__dict__.get("_cuda_ring")
         if r is None or r.owner is not self:
-            up = self.cuda.to_device
+            if kv.n_written == 0 and (kv.pos < 0).all():
+                # an empty ring: allocate only (attention reads a slot only once it is written)
+                up = lambda a: self.cuda.device_array(a.shape, a.dtype)  # noqa: E731
+            else:
+                up = self.cuda.to_device
             k = up(kv.k.view(np.uint16) if kv.kind == "f16" else kv.k.view(np.uint8))
             v = up(kv.v.view(np.uint16) if kv.kind == "f16" else kv.v.view(np.uint8))
             ks, vs = up(kv.k_scale.view(np.uint16)), up(kv.v_scale.view(np.uint16))
             r = _Ring(self.kvq.ring_arrays(kv.kind, k, ks), self.kvq.ring_arrays(kv.kind, v, vs), k, v, ks, vs,
-                      up(kv.pos), kv.pos.copy(), self)
+                      self.cuda.to_device(kv.pos), kv.pos.copy(), self)
             kv.__dict__["_cuda_ring"] = r  # lives and dies with the LayerKV
         elif not np.array_equal(r.shadow, kv.pos):
             r.pos.copy_to_device(kv.pos)
@@ -394,3 +400,6 @@ class CUDABackend:
                 if kv.kind != "f16":
                     r.ks.copy_to_host(kv.k_scale.view(np.uint16))
                     r.vs.copy_to_host(kv.v_scale.view(np.uint16))
+                empty = kv.pos < 0  # never written on the device: whatever the allocation held
+                for a in (kv.k, kv.v) + ((kv.k_scale, kv.v_scale) if kv.kind != "f16" else ()):
+                    a[empty] = 0
