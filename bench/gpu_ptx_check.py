@@ -58,12 +58,16 @@ def main() -> int:
         (kv._attn_kernel, (1, a(f32, 1, 2, 32), a(f32, 1, 2, 32), a(i64, 1), *ring, *ring, a(i64, 2), 2, 0,
                            a(f32, 1, 1, 32), a(f32, 1, 1, 32), a(i64, 1), f32(0.1), 0, a(f32, 1, 2, 32))),
     ]
-    for k in (qm._matmul_1, qm._matmul_tile):
-        cases.append((k, (a(u8, 4, 18), a(f32, 1, 1), a(u16, 1, 1), 2, a(f32, 1, 32), a(f32, 1, 4), 0, 4, 1)))
+    for qt in qm.SUPPORTED:
+        for tok in (1, 8):
+            views = (a(u8, 4, 18), a(f32, 1, 1), a(u16, 1, 1))
+            cases.append((qm.matmul_kernel(tok, qt), (*views, a(f32, 1, 32), a(f32, 1, 4), 0, 4, 1)))
     bad = 0
     for kern, example in cases:
         sig = tuple(numba.typeof(x) for x in example)
         name = kern.py_func.__qualname__
+        if "<locals>" in name:  # a matmul closure: name its constants
+            name += str(tuple(c.cell_contents for c in kern.py_func.__closure__ if isinstance(c.cell_contents, int)))
         try:
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc)
             print(f"ok   {name}: {len(ptx.splitlines())} PTX lines")

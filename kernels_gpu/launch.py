@@ -26,5 +26,18 @@ def threads(n: int | None = None) -> int:
     return t
 
 
+def quiet_small_grids() -> None:
+    """Decode launches grids of a few blocks on purpose (one norm row, one token's rope);
+    numba.cuda warns on every grid under 128 blocks. Its config lives in numba.cuda.core.config
+    (numba-cuda) or numba.core.config (numba's built-in target)."""
+    import importlib
+
+    for name in ("numba.cuda.core.config", "numba.core.config"):
+        try:
+            importlib.import_module(name).CUDA_LOW_OCCUPANCY_WARNINGS = 0
+        except ImportError:
+            pass
+
+
 def launch(kernel, grid, block, *args) -> None:
     kernel[grid, block](*args)

@@ -129,11 +129,12 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
                 buf[l] = ds * np.float32((lo | (hi << 4)) - 32)
 
 
-def _make_matmul(tok: int):
-    """The matmul kernel for a tile of `tok` tokens (a compile-time constant of the closure)."""
+def _make_matmul(tok: int, qtype: int):
+    """The matmul kernel for a tile of `tok` tokens and one weight type, both compile-time
+    constants of the closure: the compiler keeps only that type's decoder (fewer registers)."""
 
     @cuda.jit
-    def kernel(wq, wf, wh, qtype, x, out, col0, m, rows_per_block):
+    def kernel(wq, wf, wh, x, out, col0, m, rows_per_block):
         t0 = cuda.blockIdx.y * tok  # first token of the tile
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -177,8 +178,14 @@ def _make_matmul(tok: int):
     return kernel
 
 
-_matmul_1 = _make_matmul(1)
-_matmul_tile = _make_matmul(launch.TOK_TILE)
+_matmul_kernels: dict[tuple[int, int], object] = {}  # (tokens per tile, qtype) -> kernel, made on first use
+
+
+def matmul_kernel(tok: int, qtype: int):
+    key = (tok, qtype)
+    if key not in _matmul_kernels:
+        _matmul_kernels[key] = _make_matmul(tok, qtype)
+    return _matmul_kernels[key]
 
 
 @cuda.jit
@@ -254,11 +261,10 @@ def qmatmul(x, w: DeviceWeight, out=None, col0: int = 0):
     elif out.dtype != np.float32 or out.shape[0] != n or out.shape[1] < col0 + w.n_out or not out.is_c_contiguous():
         raise ValueError(f"qmatmul: out {out.dtype}{out.shape} must be float32 ({n}, >= {col0 + w.n_out}), C-contiguous")
     if n and w.n_out:
-        one = n == 1
-        kern, tile = (_matmul_1, 1) if one else (_matmul_tile, launch.TOK_TILE)
+        tile = 1 if n == 1 else launch.TOK_TILE
         rpb = max(1, launch.MATMUL_ROWS)
-        _launch(kern, (blocks(w.n_out, rpb), blocks(n, tile)), launch.threads(), *w.views(), w.qtype, x, out, col0,
-                w.n_out, rpb)
+        _launch(matmul_kernel(tile, w.qtype), (blocks(w.n_out, rpb), blocks(n, tile)), launch.threads(), *w.views(),
+                x, out, col0, w.n_out, rpb)
     return out
 
 

@@ -182,8 +182,9 @@ class CUDABackend:
             raise DeviceError(f"gpu_layers must be >= 0, got {gpu_layers}")
         from numba import cuda
 
-        from ..kernels_gpu import kvquant, ops, qmatmul
+        from ..kernels_gpu import kvquant, launch, ops, qmatmul
 
+        launch.quiet_small_grids()
         self.cuda, self.ops, self.qm, self.kvq = cuda, ops, qmatmul, kvquant
         self.threads, self.gpu_layers = threads, gpu_layers
         self._cpu = None
