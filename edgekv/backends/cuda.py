@@ -333,15 +333,15 @@ class CUDABackend:
         kq, ops = self.kvq, self.ops
         r = self._ring(kv)
         n = q_pos.shape[0]
-        qd, kd, vd = _dcopy(q.contiguous()), self._dev(k), self._dev(v)
+        qd, kd, vd = q.contiguous(), self._dev(k), self._dev(v)
         dpos = self._ints(q_pos)
         shift = kv.sink_shift(q_pos)
         q_sink = None
         if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
             base, neox, n_rot, rscale = rope
             q_sink = ops.rope(_dcopy(qd), self._ints(-shift), self._freqs(base, n_rot, rscale), neox)
-        if kv.rotated:
-            kq.hadamard_(qd)
+        if kv.rotated:  # rotate a copy: the caller's q stays as it was
+            qd = kq.hadamard_(_dcopy(qd))
             if q_sink is not None:
                 kq.hadamard_(q_sink)
         if kv.write_first(n):
