@@ -161,7 +161,7 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
             raise EdgekvError("--compare llama.cpp needs llama-cpp-python: pip install 'edgekv[compare]' "
                               "(it compiles llama.cpp, ~10 minutes)") from None
         runtimes.append(LlamaCppRunner)
-    rows = []
+    rows, synthetic = [], False
     bar = tqdm(total=len(cases) * len(runtimes) * (reps + 1), desc="bench", file=sys.stderr, disable=not progress)
     rng = np.random.default_rng(seed)
     by_setup: dict = {}
@@ -170,6 +170,8 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
     for (kv, t), group in by_setup.items():
         runners = [R(path, n_ctx_need, kv, t) for R in runtimes]
         wbytes = decode_weight_bytes(runners[0].llm)
+        # `edgekv synth` files: real shapes, random weights; their speed means something, their text not
+        synthetic = bool(runners[0].llm.file.meta.get("edgekv.synthetic", False))
         for c in group:
             row_set = [Row(c, r.name, kv_bytes=r.kv_bytes(), weight_bytes_per_token=wbytes) for r in runners]
             for rep in range(reps + 1):  # rep 0 warms up (JIT, page cache) and is not counted
@@ -185,7 +187,7 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
         gc.collect()
     bar.close()
     bandwidth = measure_read_bandwidth()  # last: its 1 GiB array must not count in peak RSS
-    return {"rows": rows, "bandwidth": bandwidth, "model": str(path)}
+    return {"rows": rows, "bandwidth": bandwidth, "model": str(path), "synthetic": synthetic}
 
 
 def to_records(result: dict) -> list[dict]:
@@ -213,7 +215,8 @@ def to_records(result: dict) -> list[dict]:
 def format_table(result: dict, fmt: str = "md") -> str:
     recs = to_records(result)
     if fmt == "json":
-        return json.dumps({"model": result["model"], "read_bandwidth_gb_s": round(result["bandwidth"] / 1e9, 2),
+        return json.dumps({"model": result["model"], "synthetic": result.get("synthetic", False),
+                           "read_bandwidth_gb_s": round(result["bandwidth"] / 1e9, 2),
                            "rows": recs}, indent=2)
     cols = ["test", "kv", "threads", "runtime", "tokens_per_s", "stddev", "weight_gb_per_s", "bandwidth_share",
             "kv_mib", "peak_rss_mib", "ratio_vs_llama_cpp"]
@@ -221,7 +224,8 @@ def format_table(result: dict, fmt: str = "md") -> str:
     if fmt == "csv":
         lines = [",".join(cols)] + [",".join(str(r.get(c, "")) for c in cols) for r in recs]
         return "\n".join(lines)
-    head = f"model: {result['model']}; measured read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s\n\n"
+    synth = " (synthetic: real shapes, random weights; speed only)" if result.get("synthetic") else ""
+    head = f"model: {result['model']}{synth}; measured read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s\n\n"
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in recs:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")

@@ -156,7 +156,7 @@ _ROPE = dict(cache=True, error_model="numpy")
 
 
 @njit(inline="always", **_ROPE)
-def _rope_token(x, pos, inv_freq, neox, t, cs, sn):
+def _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn):
     half = inv_freq.shape[0]
     p = np.float64(pos[t])
     for i in range(half):
@@ -164,7 +164,7 @@ def _rope_token(x, pos, inv_freq, neox, t, cs, sn):
         a = p * inv_freq[i]
         cs[i] = np.float32(math.cos(a))
         sn[i] = np.float32(math.sin(a))
-    for h in range(x.shape[1]):
+    for h in range(nh):
         if neox:
             for i in range(half):
                 x0 = x[t, h, i]
@@ -180,21 +180,21 @@ def _rope_token(x, pos, inv_freq, neox, t, cs, sn):
 
 
 @njit(**_ROPE)
-def _rope_serial(x, pos, inv_freq, neox):
+def _rope_serial(x, pos, inv_freq, neox, nh):
     half = inv_freq.shape[0]
     cs = np.empty(half, np.float32)
     sn = np.empty(half, np.float32)
     for t in range(x.shape[0]):
-        _rope_token(x, pos, inv_freq, neox, t, cs, sn)
+        _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn)
 
 
 @njit(parallel=True, **_ROPE)
-def _rope_parallel(x, pos, inv_freq, neox):
+def _rope_parallel(x, pos, inv_freq, neox, nh):
     half = inv_freq.shape[0]
     for t in prange(x.shape[0]):
         cs = np.empty(half, np.float32)
         sn = np.empty(half, np.float32)
-        _rope_token(x, pos, inv_freq, neox, t, cs, sn)
+        _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn)
 
 
 _inv_freq_cache: dict[tuple[float, int, float], np.ndarray] = {}
@@ -214,13 +214,15 @@ def rope(
     neox: bool,
     n_rot: int,
     freq_scale: float = 1.0,
+    heads: int | None = None,
 ) -> np.ndarray:
     """Rotate x (n, heads, hd) float32 in place by token positions pos (n,) int64.
 
     Pair i (i < n_rot/2) turns by pos * theta_base**(-2i/n_rot) * freq_scale, the angle in
     float64. neox=False is llama.cpp's NORM rope (pairs x[2i], x[2i+1]; llama), neox=True
     its NEOX rope (pairs x[i], x[i + n_rot/2]; gemma3). Dims from n_rot on are left as
-    they are. Returns x."""
+    they are. heads: rotate only heads [0, heads) (q and k side by side in one fused QKV output,
+    v after them untouched). Returns x."""
     if x.dtype is not _F32 or x.ndim != 3 or pos.dtype is not _I64 or pos.shape != x.shape[:1]:
         raise ValueError(
             f"rope: x {x.dtype}{x.shape} must be float32 (n, heads, hd), pos {pos.dtype}{pos.shape} int64 (n,)"
@@ -230,10 +232,13 @@ def rope(
     inv_freq = _inv_freq_cache.get((theta_base, n_rot, freq_scale))
     if inv_freq is None:
         inv_freq = _inv_freq(theta_base, n_rot, freq_scale)
+    nh = x.shape[1] if heads is None else heads
+    if not 0 <= nh <= x.shape[1]:
+        raise ValueError(f"rope: heads={heads} outside the {x.shape[1]} heads of x")
     if x.size >= ROPE_PAR_MIN:
-        _rope_parallel(x, pos, inv_freq, bool(neox))
+        _rope_parallel(x, pos, inv_freq, bool(neox), nh)
     else:
-        _rope_serial(x, pos, inv_freq, bool(neox))
+        _rope_serial(x, pos, inv_freq, bool(neox), nh)
     return x
 
 

@@ -35,12 +35,18 @@ from numba.extending import intrinsic, models, register_model
 from edgekv.errors import EdgekvError, UnsupportedModelError
 from edgekv.quants import QUANT_TYPES
 
+from . import ops
+from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
+
 # GGML type ids (edgekv/quants.py is the table; repeated here as compile-time constants).
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
 SUPPORTED = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 _FLOAT_TYPES = (F32, F16, BF16)
 
+# What a matmul does to its input first (qmatmul's `pre`): nothing, rmsnorm, or a gated activation.
+PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
+PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
 SMALL_N = 7  # up to this many tokens: integer dots on rows read once (decode); measured crossover ~8
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
@@ -938,12 +944,51 @@ def _part(item, n0, n1):
     return 2, item - n0 - n1
 
 
+@njit(**_KERNEL)
+def _prologue(x, pre, pre_w, eps, xa):
+    """xa (n, k) = the matmul's input from x: x itself (PRE_NONE), rmsnorm(x) * pre_w (PRE_NORM),
+    or act(x[:, :k]) * x[:, k:] (PRE_SILU, PRE_GELU: x holds gate and up side by side)."""
+    k = xa.shape[1]
+    for t in range(x.shape[0]):
+        if pre == PRE_NORM:
+            _rmsnorm_row(x, pre_w, eps, xa, t)
+        elif pre == PRE_SILU:
+            _silu_mul_1d(x[t, :k], x[t, k:], xa[t])
+        elif pre == PRE_GELU:
+            _gelu_mul_1d(x[t, :k], x[t, k:], xa[t])
+        else:
+            xa[t] = x[t]
+
+
+@njit(**_KERNEL)
+def _epilogue(y, col0, m, eps, res, post_w):
+    """res (n, m) += y[:, col0 : col0 + m], first normed (rmsnorm * post_w) when post_w is given."""
+    for t in range(res.shape[0]):
+        s = f32(1)
+        if post_w.size:
+            ss = 0.0  # float64, as rmsnorm
+            for j in range(m):
+                v = np.float64(y[t, col0 + j])
+                ss += v * v
+            s = f32(1.0 / np.sqrt(ss / m + eps))
+            for j in range(m):
+                res[t, j] += (y[t, col0 + j] * s) * post_w[j]
+        else:
+            for j in range(m):
+                res[t, j] += y[t, col0 + j]
+
+
 @njit(cache=True, parallel=True, fastmath=True)
-def _qmatvec(x, ws, qtype, out):
-    """Few tokens: x (n, k); ws: three weights of one type (some may have 0 rows), out (n, m) =
-    x @ [ws[0]; ws[1]; ws[2]].T. Chunks of rows in parallel; each row is read from memory once and
-    stays in L1 for the n tokens."""
-    n, k = x.shape
+def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
+    """Few tokens: out[:, col0 : col0 + m] = pre(x) @ [ws[0]; ws[1]; ws[2]].T, ws three weights of
+    one type (some may have 0 rows); then, if res has rows, res += post(that). Chunks of rows in
+    parallel; each row is read from memory once and stays in L1 for the n tokens. The pre/post
+    steps (norm, gated activation, residual) run here, serially (a token's row is a few KB), so a
+    decode step pays one call and one parallel region per matrix, not three or four."""
+    n = x.shape[0]
+    k = x.shape[1] // 2 if pre == PRE_SILU or pre == PRE_GELU else x.shape[1]
+    xa = np.empty((n, k), np.float32)  # the matmul's input
+    _prologue(x, pre, pre_w, eps, xa)
     m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
     fam = 0 if (qtype == F32 or qtype == F16 or qtype == BF16) else (256 if qtype >= Q2_K and qtype <= Q6_K else 32)
     bs = max(fam, 32)
@@ -957,25 +1002,27 @@ def _qmatvec(x, ws, qtype, out):
     if fam != 0:
         for t in range(n):
             sl = slice(t * nb, t * nb + nb)
-            _quantize_q8(x[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
+            _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
         off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (128 if qtype == Q8_0 else 0))
         for i in range(n * k // 4):
             xoff[i] = -off * (i32(xq[4 * i]) + i32(xq[4 * i + 1]) + i32(xq[4 * i + 2]) + i32(xq[4 * i + 3]))
-    xf = x.reshape(-1)
+    xf = xa.reshape(-1)
     c0, c1, c2 = (m0 + _CHUNK - 1) // _CHUNK, (m1 + _CHUNK - 1) // _CHUNK, (ws[2].shape[0] + _CHUNK - 1) // _CHUNK
     for item in prange(c0 + c1 + c2):
         p, c = _part(np.int64(item), c0, c1)  # (prange indices may be unsigned)
         w = ws[p]
-        col = 0 if p == 0 else (m0 if p == 1 else m0 + m1)
+        col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
         r0 = c * _CHUNK
         r1 = min(w.shape[0], r0 + _CHUNK)
         _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
+    if res.shape[0]:
+        _epilogue(out, col0, m0 + m1 + ws[2].shape[0], eps, res, post_w)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _qgemm(x, ws, qtype, out):
-    """Many tokens: as _qmatvec. Tokens are packed 32 to a vector group (k, 32); then tiles of
-    _ROWS rows in parallel: decode the tile to float once (L2), and for each group of tokens
+def _qgemm(x, ws, qtype, out, col0):
+    """Many tokens: out[:, col0 : col0 + m] = x @ W.T as _qmatvec (the pre/post steps are the
+    caller's). Tokens are packed 32 to a vector group (k, 32); then tiles of _ROWS rows in parallel: decode the tile to float once (L2), and for each group of tokens
     accumulate rows x tokens in registers over k."""
     n, k = x.shape
     m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
@@ -992,7 +1039,7 @@ def _qgemm(x, ws, qtype, out):
         p, tile = _part(np.int64(item), t0, t1)
         w = ws[p]
         wf = w.reshape(-1)
-        col = 0 if p == 0 else (m0 if p == 1 else m0 + m1)
+        col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
         wt = np.empty(_ROWS * k, np.float32)  # (_ROWS, k) decoded rows
         res = np.empty(_ROWS * _TOK, np.float32)  # (_ROWS, _TOK) tile results
         r0 = tile * _ROWS
@@ -1105,46 +1152,104 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 
 _NO_ROWS: dict[int, np.ndarray] = {}  # row bytes -> read-only (0, row_bytes): unused fused parts
+_NONE1 = np.empty(0, np.float32)  # pre_w / post_w when unused
+_NONE2 = np.empty((0, 0), np.float32)  # residual when unused
 
 
-def qmatmul(x: np.ndarray, w, qtype: int, out: np.ndarray | None = None) -> np.ndarray:
-    """out (n, m) float32 = x @ W.T.
+class QWeight:
+    """A weight checked once for qmatmul: ws, its raw parts padded to three with empty ones (the
+    kernels take one tuple type), the GGML type, k inputs per row, m output rows in all."""
 
-    x: float32 (n, k), C-contiguous. w: the raw GGUF rows of a weight with k columns, uint8
-    (m, row_bytes) as memory-mapped (F32/F16/BF16 weights may also be given as float32/float16/
-    uint16 (m, k) arrays); or a tuple of up to 3 such weights of the same type and k (fused QKV,
-    gate+up: one pass over the activations, no copy of the weights), whose outputs are the
-    consecutive column ranges of out. qtype: the GGML type id. out, if given, is filled and
-    returned."""
-    if isinstance(w, (tuple, list)):
-        if not 1 <= len(w) <= 3:
-            raise EdgekvError(f"qmatmul: expected one weight or a tuple of up to 3, got {len(w)}")
-        parts = [_check_weight(p, qtype, f"weight {i}")[0] for i, p in enumerate(w)]
-        k = _check_weight(w[0], qtype)[1]
+    __slots__ = ("ws", "qtype", "k", "m")
+
+    def __init__(self, w, qtype: int):
+        if isinstance(w, (tuple, list)):
+            if not 1 <= len(w) <= 3:
+                raise EdgekvError(f"qmatmul: expected one weight or a tuple of up to 3, got {len(w)}")
+            parts = [_check_weight(p, qtype, f"weight {i}")[0] for i, p in enumerate(w)]
+            k = _check_weight(w[0], qtype)[1]
+            if any(p.shape[1] != parts[0].shape[1] for p in parts):
+                raise EdgekvError("qmatmul: fused weights must have the same number of columns")
+        else:
+            first, k = _check_weight(w, qtype)
+            parts = [first]
         rb = parts[0].shape[1]
-        if any(p.shape[1] != rb for p in parts):
-            raise EdgekvError("qmatmul: fused weights must have the same number of columns")
-    else:
-        first, k = _check_weight(w, qtype)
-        parts, rb = [first], first.shape[1]
-    if rb not in _NO_ROWS:
-        _NO_ROWS[rb] = _readonly(np.zeros((0, rb), np.uint8))
-    ws = tuple(parts) + (_NO_ROWS[rb],) * (3 - len(parts))
+        if rb not in _NO_ROWS:
+            _NO_ROWS[rb] = _readonly(np.zeros((0, rb), np.uint8))
+        self.ws = tuple(parts) + (_NO_ROWS[rb],) * (3 - len(parts))
+        self.qtype, self.k, self.m = qtype, k, sum(p.shape[0] for p in parts)
+
+
+def _f32(a, shape, what: str) -> None:
+    if not (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == shape and a.flags.c_contiguous):
+        got = f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}"
+        raise EdgekvError(f"qmatmul: {what} must be a C-contiguous float32 array of shape {shape}, got {got}")
+
+
+def qmatmul(x: np.ndarray, w, qtype: int | None = None, out: np.ndarray | None = None, *, pre: str | None = None,
+            pre_w: np.ndarray | None = None, eps: float = 1e-6, residual: np.ndarray | None = None,
+            post_w: np.ndarray | None = None) -> np.ndarray:
+    """out (n, m) float32 = pre(x) @ W.T; with `residual` (n, m): residual += post(out), returned.
+
+    w: the raw GGUF rows of a weight with k columns, uint8 (m, row_bytes) as memory-mapped
+    (F32/F16/BF16 weights may also be given as float32/float16/uint16 (m, k) arrays); or a tuple
+    of up to 3 such weights of the same type and k (fused QKV, gate+up: one pass over the
+    activations, no copy of the weights), whose outputs are the consecutive column ranges of out;
+    or a QWeight (checked once, for repeated calls). qtype: the GGML type id.
+    pre: None (x (n, k) as is), "norm" (rmsnorm(x) * pre_w, eps), "silu"/"gelu" (x (n, 2k) holds
+    gate and up side by side: act(gate) * up). post_w (m,): rmsnorm the product (times post_w)
+    before adding it to residual. out, if given, is filled and returned (or is the scratch for
+    the product when residual is given)."""
+    qw = w if isinstance(w, QWeight) else QWeight(w, qtype)
+    if pre not in PRE:
+        raise EdgekvError(f"qmatmul: pre must be one of {list(PRE)}, got {pre!r}")
+    code = PRE[pre]
     if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous):
         got = f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
         raise EdgekvError(f"qmatmul: x must be a C-contiguous float32 (n, k) array, got {got}")
-    n = x.shape[0]
-    if x.shape[1] != k:
-        raise EdgekvError(f"qmatmul: x has {x.shape[1]} columns but the weight has {k}")
-    m = ws[0].shape[0] + ws[1].shape[0] + ws[2].shape[0]
+    n, kx = x.shape[0], qw.k * (2 if code >= PRE_SILU else 1)
+    if x.shape[1] != kx:
+        raise EdgekvError(f"qmatmul: x has {x.shape[1]} columns but the weight needs {kx}")
+    if code == PRE_NORM:
+        _f32(pre_w, (qw.k,), "pre_w")
+    if residual is not None:
+        _f32(residual, (n, qw.m), "residual")
+        if post_w is not None:
+            _f32(post_w, (qw.m,), "post_w")
+    elif post_w is not None:
+        raise EdgekvError("qmatmul: post_w needs a residual to add to")
     if out is None:
-        out = np.empty((n, m), np.float32)
-    elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (n, m) and out.flags.c_contiguous):
-        raise EdgekvError(f"qmatmul: out must be a C-contiguous float32 array of shape {(n, m)}")
-    if n == 0 or m == 0:
-        return out
-    (_qmatvec if n <= SMALL_N else _qgemm)(_readonly(x), ws, qtype, out)
-    return out
+        out = np.empty((n, qw.m), np.float32)
+    else:
+        _f32(out, (n, qw.m), "out")
+    if not x.flags.writeable:  # one signature per kernel (see _readonly): activations are writable
+        x = x.copy()
+    return run(qw, x, out, 0, code, _NONE1 if pre_w is None else pre_w, float(eps),
+               _NONE2 if residual is None else residual, _NONE1 if post_w is None else post_w)
+
+
+def run(qw: QWeight, x: np.ndarray, out: np.ndarray, col0: int, pre: int, pre_w: np.ndarray, eps: float,
+        res: np.ndarray, post_w: np.ndarray) -> np.ndarray:
+    """qmatmul without its checks, for a backend's hot path (a decode step calls this ~4 times a
+    layer; the checks cost more than the kernel call): arguments as qmatmul checks them, pre as
+    its PRE code, the unused arrays as empty ones, and the product written to columns col0 ...
+    col0 + m of out (n, >= col0 + m), so parts of one fused output can come from several calls.
+    Returns res if it has rows, else out."""
+    n = x.shape[0]
+    if n and qw.m:
+        if n <= SMALL_N:
+            _qmatvec(x, qw.ws, qw.qtype, out, col0, pre, pre_w, eps, res, post_w)
+        else:  # prefill: the pre/post steps as their own (parallel) kernels; compute dominates
+            if pre == PRE_NORM:
+                x = ops.rmsnorm(x, pre_w, eps)
+            elif pre:
+                act = ops.silu_mul if pre == PRE_SILU else ops.gelu_mul
+                x = act(np.ascontiguousarray(x[:, : qw.k]), np.ascontiguousarray(x[:, qw.k :]))
+            _qgemm(x, qw.ws, qw.qtype, out, col0)
+            if res.shape[0]:
+                y = np.ascontiguousarray(out[:, col0 : col0 + qw.m])
+                ops.add_(res, ops.rmsnorm(y, post_w, eps) if post_w.size else y)
+    return res if res.shape[0] else out
 
 
 def dequantize_rows(w: np.ndarray, qtype: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

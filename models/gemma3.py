@@ -129,28 +129,23 @@ class Model:
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
         """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
         cfg, be = self.cfg, self.be
-        n, hd, qd, kvd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-        x = be.embed(self.token_embd, ids)  # (n, n_embd)
+        n, hd, qd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim
+        H, Hkv, eps = cfg.n_head, cfg.n_head_kv, cfg.norm_eps
+        x = be.embed(self.token_embd, ids)  # (n, n_embd), the residual stream
         x *= np.float32(np.sqrt(cfg.n_embd))
         for i, L in enumerate(self.layers):
-            h = be.rmsnorm(x, L["attn_norm"], cfg.norm_eps)
-            qkv = be.matmul(h, L["attn_qkv"])  # (n, qd + 2 kvd)
-            q = be.rmsnorm(qkv[:, :qd].reshape(n, cfg.n_head, hd), L["attn_q_norm"], cfg.norm_eps)
-            k = be.rmsnorm(qkv[:, qd : qd + kvd].reshape(n, cfg.n_head_kv, hd), L["attn_k_norm"], cfg.norm_eps)
-            v = qkv[:, qd + kvd :].reshape(n, cfg.n_head_kv, hd)  # a copy where the slice is strided
-            q = be.rope(q, pos, L["rope_base"], True, hd, L["rope_scale"])
-            k = be.rope(k, pos, L["rope_base"], True, hd, L["rope_scale"])
+            qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
+            qkv = qkv.reshape(n, H + 2 * Hkv, hd)  # heads: q, k, v
             rope = (L["rope_base"], True, hd, L["rope_scale"])
-            a = be.attention(q, pos, cache[i], k, v, cfg.attn_scale, rope)  # (n, n_head, hd)
-            a = be.rmsnorm(be.matmul(a.reshape(n, qd), L["attn_output"]), L["post_attention_norm"], cfg.norm_eps)
-            x = be.add_(x, a)
-            h = be.rmsnorm(x, L["ffn_norm"], cfg.norm_eps)
-            gu = be.matmul(h, L["ffn_gate_up"])  # (n, 2 n_ff)
-            h = be.matmul(be.gelu_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]), L["ffn_down"])
-            x = be.add_(x, be.rmsnorm(h, L["post_ffw_norm"], cfg.norm_eps))
+            q = be.rope(be.rmsnorm(qkv[:, :H], L["attn_q_norm"], eps), pos, *rope)
+            k = be.rope(be.rmsnorm(qkv[:, H : H + Hkv], L["attn_k_norm"], eps), pos, *rope)
+            a = be.attention(q, pos, cache[i], k, qkv[:, H + Hkv :], cfg.attn_scale, rope)  # (n, H, hd)
+            x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x, post_w=L["post_attention_norm"], eps=eps)
+            gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
+            x = be.matmul(gu, L["ffn_down"], pre="gelu", residual=x, post_w=L["post_ffw_norm"], eps=eps)
         if last_only:
             x = x[-1:]
-        logits = be.matmul(be.rmsnorm(x, self.output_norm, cfg.norm_eps), self.output)
+        logits = be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)
         if cfg.final_softcap:
             logits = np.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits

@@ -131,24 +131,20 @@ class Model:
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
         """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
         cfg, be = self.cfg, self.be
-        n, hd, qd, kvd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-        x = be.embed(self.token_embd, ids)  # (n, n_embd)
+        n, hd, qd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim
+        H, Hkv, eps = cfg.n_head, cfg.n_head_kv, cfg.norm_eps
+        rope = (cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
+        x = be.embed(self.token_embd, ids)  # (n, n_embd), the residual stream
         for i, L in enumerate(self.layers):
-            h = be.rmsnorm(x, L["attn_norm"], cfg.norm_eps)
-            qkv = be.matmul(h, L["attn_qkv"])  # (n, qd + 2 kvd)
+            qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
             if L["qkv_bias"] is not None:
                 qkv += L["qkv_bias"]
-            q = qkv[:, :qd].reshape(n, cfg.n_head, hd)
-            k = qkv[:, qd : qd + kvd].reshape(n, cfg.n_head_kv, hd)
-            v = qkv[:, qd + kvd :].reshape(n, cfg.n_head_kv, hd)
-            q = be.rope(q, pos, cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
-            k = be.rope(k, pos, cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
-            rope = (cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
-            a = be.attention(q, pos, cache[i], k, v, 1.0 / np.sqrt(hd), rope)  # (n, n_head, hd)
-            x = be.add_(x, be.matmul(a.reshape(n, qd), L["attn_output"]))
-            h = be.rmsnorm(x, L["ffn_norm"], cfg.norm_eps)
-            gu = be.matmul(h, L["ffn_gate_up"])  # (n, 2 n_ff)
-            x = be.add_(x, be.matmul(be.silu_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]), L["ffn_down"]))
+            qkv = be.rope(qkv.reshape(n, H + 2 * Hkv, hd), pos, *rope, heads=H + Hkv)  # heads: q, k, v
+            q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
+            a = be.attention(q, pos, cache[i], k, v, 1.0 / np.sqrt(hd), rope)  # (n, H, hd)
+            x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x)
+            gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
+            x = be.matmul(gu, L["ffn_down"], pre="silu", residual=x)
         if last_only:
             x = x[-1:]
-        return be.matmul(be.rmsnorm(x, self.output_norm, cfg.norm_eps), self.output)
+        return be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)

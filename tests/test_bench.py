@@ -12,6 +12,7 @@ def test_bench_table_and_json(tmp_path, capsys):
     assert main(["bench", str(path), "-p", "16", "-n", "4", "-d", "0,8", "-r", "2", "--kv", "f16,int8", "-q", "-o", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["rows"]
+    assert out["synthetic"] is True  # edgekv synth files are marked: their speed counts, their text does not
     assert {r["test"] for r in rows} == {"pp16", "tg4", "pp16 @ d8", "tg4 @ d8"}
     assert {r["kv"] for r in rows} == {"f16", "int8"}
     assert all(r["tokens_per_s"] > 0 for r in rows) and out["read_bandwidth_gb_s"] > 0

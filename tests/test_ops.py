@@ -112,6 +112,19 @@ def test_rope(neox, n, heads, hd, n_rot, base, freq_scale, path):
     np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])  # unrotated dims untouched
 
 
+@pytest.mark.parametrize("n", [1, 5])
+def test_rope_first_heads_only(n, path):
+    """heads=h rotates q and k of a fused (n, H + 2 Hkv, hd) QKV output and leaves v alone."""
+    x = randn(n, 7, 64)
+    pos = RNG.integers(0, 4096, n).astype(np.int64)
+    got = x.copy()
+    ops.rope(got, pos, 10000.0, False, 64, heads=5)
+    np.testing.assert_allclose(got[:, :5], ref_rope(x[:, :5], pos, 10000.0, False, 64, 1.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[:, 5:], x[:, 5:])
+    with pytest.raises(ValueError):
+        ops.rope(got, pos, 10000.0, False, 64, heads=8)
+
+
 @pytest.mark.parametrize("neox", [False, True])
 def test_rope_large_positions(neox):
     # endless chats reach positions past 1e6; a float32 angle would be off by radians here

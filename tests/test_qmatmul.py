@@ -129,6 +129,68 @@ def test_fused_weights(name):
         qm.qmatmul(x, (parts[0], random_raw(name, 2, 2 * k, rng)), BY_NAME[name].id)
 
 
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+ACTS = {  # float64 oracles of the gated activations (gelu: the tanh form ggml uses)
+    "silu": lambda g: g / (1 + np.exp(-g)),
+    "gelu": lambda g: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))),
+}
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("n", [1, 3, qm.SMALL_N + 1, 40])
+def test_fused_pre_and_post_steps(name, n):
+    """pre (rmsnorm or gated activation of the input) and post (residual add, optionally after an
+    rmsnorm of the product) give what the separate steps give, on the decode and prefill paths."""
+    rng = np.random.default_rng(11 + n)
+    k, m, eps, qt = cols_for(name), 24, 1e-6, BY_NAME[name].id
+    w = quantized(name, m, k, rng) if name in GGUF_QUANTIZES else random_raw(name, m, k, rng)
+    dense = reference(w, name)
+    tol = 2e-2 if n <= qm.SMALL_N and name != "F16" else 1e-5  # int8 activations on the decode path
+    x = rng.standard_normal((n, k), dtype=np.float32)
+    g = rng.standard_normal(k).astype(np.float32)
+    got = qm.qmatmul(x, w, qt, pre="norm", pre_w=g, eps=eps)
+    assert rel_err(got, _rms(x, g, eps) @ dense.T) < tol
+    gu = rng.standard_normal((n, 2 * k), dtype=np.float32)
+    for act, f in ACTS.items():
+        got = qm.qmatmul(gu, w, qt, pre=act)
+        want = (f(gu[:, :k].astype(np.float64)) * gu[:, k:]) @ dense.T
+        assert rel_err(got, want) < tol
+    res0 = rng.standard_normal((n, m), dtype=np.float32)
+    res = res0.copy()
+    assert qm.qmatmul(x, w, qt, residual=res) is res
+    prod = x.astype(np.float64) @ dense.T
+    assert rel_err(res - res0, prod) < tol
+    pw = rng.standard_normal(m).astype(np.float32)
+    res = res0.copy()
+    qm.qmatmul(x, w, qt, residual=res, post_w=pw, eps=eps)
+    assert rel_err(res - res0, _rms(prod, pw, eps)) < tol
+    # run(): the product lands at a column offset of a wider out, the rest untouched
+    out = np.full((n, m + 7), 5.0, np.float32)
+    qm.run(qm.QWeight(w, qt), x, out, 7, qm.PRE_NONE, qm._NONE1, eps, qm._NONE2, qm._NONE1)
+    assert (out[:, :7] == 5).all()
+    np.testing.assert_array_equal(out[:, 7:], qm.qmatmul(x, w, qt))
+
+
+def test_fused_step_errors():
+    rng = np.random.default_rng(12)
+    w, q4 = random_raw("Q4_0", 4, 64, rng), BY_NAME["Q4_0"].id
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(EdgekvError, match="pre must be"):
+        qm.qmatmul(x, w, q4, pre="relu")
+    with pytest.raises(EdgekvError, match="pre_w"):
+        qm.qmatmul(x, w, q4, pre="norm")
+    with pytest.raises(EdgekvError, match="needs 128"):
+        qm.qmatmul(x, w, q4, pre="silu")
+    with pytest.raises(EdgekvError, match="residual"):
+        qm.qmatmul(x, w, q4, residual=np.zeros((2, 5), np.float32))
+    with pytest.raises(EdgekvError, match="post_w needs a residual"):
+        qm.qmatmul(x, w, q4, post_w=np.zeros(4, np.float32))
+
+
 def test_float_weights_as_float_arrays():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((1, 40), dtype=np.float32)

@@ -5,10 +5,15 @@ knows which one runs it.
 The operations (x float32, n = tokens in the batch):
   prepare(tensor) -> handle             a weight, ready for matmul/embed (no dequantized copy on fast backends)
   fuse([tensors]) -> handle             several weights applied to the same input; matmul returns them concatenated
-  matmul(x (n, k), w) -> (n, m)
+  matmul(x, w, *, pre, pre_w, eps, residual, post_w) -> y
+      y (n, m) = pre(x) @ W.T, where pre is None (x (n, k) as is), "norm" (rmsnorm(x) * pre_w)
+      or "silu"/"gelu" (x (n, 2k) = gate and up side by side: act(gate) * up). With residual
+      (n, m): residual += y (rmsnorm(y) * post_w when post_w is given), returned. One op, so a
+      fast backend can do a layer's norm, matmul, activation and residual add in one call.
   embed(w, ids (n,)) -> (n, d)
   rmsnorm(x (..., d), w (d,), eps) -> same shape
-  rope(x (n, heads, hd), pos (n,), base, neox, n_rot, scale) -> x rotated (in place where possible)
+  rope(x (n, heads, hd), pos (n,), base, neox, n_rot, scale, heads=None) -> x rotated (in place
+      where possible; use the result); heads=h rotates only heads [0, h) (q and k of a fused QKV)
   silu_mul(g, u) / gelu_mul(g, u) -> act(g) * u
   attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, rope) -> (n, H, hd)
       q attends to the cached tokens of kv and to this batch's own k/v, causally by position and

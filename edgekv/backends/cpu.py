@@ -5,13 +5,15 @@ Weights stay as raw GGUF blocks in the memory map, never copied or dequantized.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..gguf_file import Tensor
 from ..kvcache import LayerKV
+
+_NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
+_NONE2 = np.empty((0, 0), np.float32)  # and residual
 
 
 def physical_cores() -> int:
@@ -47,14 +49,6 @@ def _init_numba(threads: int | None) -> int:
     return n
 
 
-@dataclass(frozen=True)
-class Weight:
-    raw: np.ndarray | tuple  # uint8 (n_out, row_bytes) GGUF blocks, or a tuple of same-type ones (fused)
-    qtype: int
-    n_out: int
-    n_in: int
-
-
 class CPUBackend:
     name = "cpu"
 
@@ -65,40 +59,55 @@ class CPUBackend:
         self.ops, self.qm, self.kvq = ops, qmatmul, kvquant
 
     # -- weights ---------------------------------------------------------------------
-    def prepare(self, t: Tensor) -> Weight:
-        return Weight(t.raw, t.qtype, t.shape[0], t.shape[-1])
+    def prepare(self, t: Tensor):
+        """The weight's memory-mapped blocks, checked once here (qmatmul.QWeight) so that the
+        per-token calls skip the checks."""
+        return self.qm.QWeight(t.raw, t.qtype)
 
     def fuse(self, ts: list[Tensor]):
         """Same-type matrices on one input (QKV, gate+up) go to qmatmul as one tuple: one
         parallel region, outputs side by side, the memory-mapped weights never copied.
-        Mixed types (gemma3's Q5_0 q/k beside a Q8_0 v) are runs of same-type tuples."""
+        Mixed types (gemma3's Q5_0 q/k beside a Q8_0 v) are runs of same-type weights, written
+        side by side into one output."""
         parts: list[list[Tensor]] = []
         for t in ts:
             if parts and parts[-1][-1].qtype == t.qtype and len(parts[-1]) < 3:
                 parts[-1].append(t)
             else:
                 parts.append([t])
-        return tuple(Weight(tuple(t.raw for t in g) if len(g) > 1 else g[0].raw, g[0].qtype,
-                            sum(t.shape[0] for t in g), g[0].shape[-1]) for g in parts)
+        runs = tuple(self.qm.QWeight(tuple(t.raw for t in g), g[0].qtype) for g in parts)
+        return runs[0] if len(runs) == 1 else runs
 
     # -- ops -------------------------------------------------------------------------
-    def matmul(self, x: np.ndarray, w) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if isinstance(w, Weight):
-            return self.qm.qmatmul(x, w.raw, w.qtype)
-        if len(w) == 1:
-            return self.qm.qmatmul(x, w[0].raw, w[0].qtype)
-        return np.concatenate([self.qm.qmatmul(x, p.raw, p.qtype) for p in w], axis=-1)
+    # The decode step calls these ~5 times a layer; they go straight to the jitted cores (the
+    # kernels' checking wrappers cost more than a small kernel), so they trust the model's shapes.
+    def matmul(self, x: np.ndarray, w, *, pre: str | None = None, pre_w: np.ndarray | None = None,
+               eps: float = 1e-6, residual: np.ndarray | None = None, post_w: np.ndarray | None = None) -> np.ndarray:
+        qm = self.qm
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        code, pw = qm.PRE[pre], _NONE1 if pre_w is None else pre_w
+        if isinstance(w, qm.QWeight):
+            return qm.run(w, x, np.empty((x.shape[0], w.m), np.float32), 0, code, pw, eps,
+                          _NONE2 if residual is None else residual, _NONE1 if post_w is None else post_w)
+        out, col = np.empty((x.shape[0], sum(p.m for p in w)), np.float32), 0
+        for p in w:  # same-type runs side by side in one output
+            qm.run(p, x, out, col, code, pw, eps, _NONE2, _NONE1)
+            col += p.m
+        if residual is None:
+            return out
+        return self.add_(residual, out if post_w is None else self.rmsnorm(out, post_w, eps))
 
-    def embed(self, w: Weight, ids: np.ndarray) -> np.ndarray:
-        out = np.empty((len(ids), w.n_in), np.float32)
-        return self.qm.dequantize_rows(w.raw, w.qtype, np.asarray(ids, dtype=np.int64), out)
+    def embed(self, w, ids: np.ndarray) -> np.ndarray:
+        out = np.empty((len(ids), w.k), np.float32)
+        return self.qm.dequantize_rows(w.ws[0], w.qtype, np.asarray(ids, dtype=np.int64), out)
 
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         return self.ops.rmsnorm(np.ascontiguousarray(x), w, eps)
 
-    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0) -> np.ndarray:
-        return self.ops.rope(np.ascontiguousarray(x), pos, base, neox, n_rot, scale)
+    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0,
+             heads: int | None = None) -> np.ndarray:
+        return self.ops.rope(np.ascontiguousarray(x), pos, base, neox, n_rot, scale, heads)
 
     def silu_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         return self.ops.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u))

@@ -36,10 +36,19 @@ class ReferenceBackend:
             self._dense[t.name] = dequantize_tensor(t)
         return self._dense[t.name]
 
-    def matmul(self, x: np.ndarray, w) -> np.ndarray:
-        if isinstance(w, tuple):
-            return np.concatenate([self.matmul(x, t) for t in w], axis=-1)
-        return (x @ self._w(w).T).astype(np.float32)
+    def matmul(self, x: np.ndarray, w, *, pre: str | None = None, pre_w: np.ndarray | None = None,
+               eps: float = 1e-6, residual: np.ndarray | None = None, post_w: np.ndarray | None = None) -> np.ndarray:
+        if pre == "norm":
+            x = self.rmsnorm(x, pre_w, eps)
+        elif pre is not None:  # x (n, 2k): gate and up side by side
+            k = x.shape[-1] // 2
+            x = {"silu": self.silu_mul, "gelu": self.gelu_mul}[pre](x[:, :k], x[:, k:])
+        ws = w if isinstance(w, tuple) else (w,)
+        y = np.concatenate([(x @ self._w(t).T).astype(np.float32) for t in ws], axis=-1)
+        if residual is None:
+            return y
+        residual += y if post_w is None else self.rmsnorm(y, post_w, eps)
+        return residual
 
     def embed(self, w: Tensor, ids: np.ndarray) -> np.ndarray:
         rows = w.raw[np.asarray(ids)]  # each embedding row is whole blocks: dequantize just these
@@ -49,7 +58,10 @@ class ReferenceBackend:
         ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
         return (x / np.sqrt(ms + eps) * w).astype(np.float32)
 
-    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0) -> np.ndarray:
+    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0,
+             heads: int | None = None) -> np.ndarray:
+        if heads is not None:  # rotate the first heads, keep the rest
+            return np.concatenate([self.rope(x[:, :heads], pos, base, neox, n_rot, scale), x[:, heads:]], axis=1)
         # theta_i = pos * scale * base^(-2i/n_rot); angles in float64 so huge positions stay exact.
         inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # (n_rot/2,)
         ang = (pos.astype(np.float64) * scale)[:, None] * inv[None, :]  # (n, n_rot/2)
