@@ -38,10 +38,13 @@ def main() -> int:
     f32, u8, u16, i64 = np.float32, np.uint8, np.uint16, np.int64
     a = lambda dt, *shape: np.zeros(shape or (2,), dt)  # noqa: E731  (a C-contiguous stand-in for a device array)
     strided = np.zeros((2, 8), f32)[:, :4]  # a column slice: layout A
+    strided3 = np.zeros((2, 4, 32), f32)[:, :2]  # the q and k heads of a fused QKV
     ring = (a(u16, 2, 1, 32), a(u8, 2, 1, 32), a(u16, 2, 1, 1))
     cases = [
         (ops._rmsnorm_kernel, (a(f32, 2, 32), a(f32, 32), 1e-6, a(f32, 2, 32))),
         (ops._rope_kernel, (a(f32, 2, 1, 32), a(i64, 2), a(np.float64, 16), True)),
+        (ops._rope_kernel, (strided3, a(i64, 2), a(np.float64, 16), False)),
+        (ops._copy3d_kernel, (strided3, a(f32, 2, 2, 32))),
         (ops._silu_mul_kernel, (strided, strided, a(f32, 2, 4))),
         (ops._silu_mul_kernel, (a(f32, 1, 4), a(f32, 1, 4), a(f32, 1, 4))),
         (ops._gelu_mul_kernel, (strided, strided, a(f32, 2, 4))),

@@ -204,6 +204,16 @@ def _copy2d_kernel(src, dst):
         dst[r, j] = src[r, j]
 
 
+@cuda.jit
+def _copy3d_kernel(src, dst):
+    r = cuda.blockIdx.y  # (token, head) pair
+    h = r % src.shape[1]
+    t = r // src.shape[1]
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if j < src.shape[2]:
+        dst[t, h, j] = src[t, h, j]
+
+
 # --- public wrappers ------------------------------------------------------------------
 
 
@@ -234,8 +244,9 @@ def rmsnorm(x, w, eps: float, out=None):
 
 def rope(x, pos, inv_freq, neox: bool):
     """Rotate x (n, heads, hd) in place by positions pos (n,) int64; inv_freq (n_rot/2,) float64
-    holds freq_scale * base**(-2i/n_rot) (see kernels_cpu.ops.rope). Returns x."""
-    _f32("rope", x, 3)
+    holds freq_scale * base**(-2i/n_rot) (see kernels_cpu.ops.rope). x may be a strided view
+    (the q and k heads of a fused QKV). Returns x."""
+    _f32("rope", x, 3, contiguous=False)
     n, nh, hd = x.shape
     if pos.dtype != np.int64 or pos.shape != (n,) or inv_freq.dtype != np.float64 or 2 * inv_freq.shape[0] > hd:
         raise ValueError(f"rope: pos {pos.dtype}{pos.shape} must be int64 ({n},), inv_freq float64 of at most {hd // 2}")
@@ -296,12 +307,14 @@ def add_rows_(x, b):
 
 
 def contiguous(a):
-    """a itself when C-contiguous, else a C-contiguous copy of the 2-D (possibly strided) a."""
+    """a itself when C-contiguous, else a C-contiguous copy of the 2-d or 3-d (strided) float32 a."""
     if a.is_c_contiguous():
         return a
-    if a.ndim != 2 or a.dtype != np.float32:
-        raise ValueError(f"contiguous: only 2-d float32 slices are copied, not {a.dtype}{a.shape}")
+    if a.ndim not in (2, 3) or a.dtype != np.float32:
+        raise ValueError(f"contiguous: only 2-d and 3-d float32 slices are copied, not {a.dtype}{a.shape}")
     out = empty(a.shape)
     if a.size:
-        _launch(_copy2d_kernel, (blocks(a.shape[1], launch.ELEMWISE), a.shape[0]), launch.ELEMWISE, a, out)
+        rows = a.shape[0] * (a.shape[1] if a.ndim == 3 else 1)
+        kern = _copy3d_kernel if a.ndim == 3 else _copy2d_kernel
+        _launch(kern, (blocks(a.shape[a.ndim - 1], launch.ELEMWISE), rows), launch.ELEMWISE, a, out)
     return out

@@ -272,15 +272,34 @@ class CUDABackend:
         return d
 
     # -- ops -------------------------------------------------------------------------
-    def matmul(self, x, w):
+    def matmul(self, x, w, *, pre: str | None = None, pre_w: np.ndarray | None = None, eps: float = 1e-6,
+               residual=None, post_w: np.ndarray | None = None):
+        """The interface's composite matmul from the primitive kernels: pre(x) @ W.T, then
+        residual += y (rmsnorm(y) * post_w when given). Host inputs of a GPU weight go up; a CPU
+        weight (partial offload) gets host inputs and runs the whole op on the CPU."""
         w = self._w(w)
         if not isinstance(w, GPUWeight):
-            return self.cpu.matmul(self._host(x), w)
+            return self.cpu.matmul(self._host(x), w, pre=pre, pre_w=pre_w, eps=eps,
+                                   residual=None if residual is None else self._host(residual), post_w=post_w)
+        if pre == "norm":
+            x = self.rmsnorm(self._as_dev_array(x), pre_w, eps)
+        elif pre is not None:  # x (n, 2k): gate and up side by side
+            x = self._as_dev_array(x)
+            k = x.shape[1] // 2
+            x = {"silu": self.silu_mul, "gelu": self.gelu_mul}[pre](x[:, :k], x[:, k:])
         xd = self._dev(x)
         out = self.cuda.device_array((xd.shape[0], w.n_out), np.float32)
         for part, col in w.parts:
             self.qm.qmatmul(xd, part, out, col)
-        return out.copy_to_host() if w.host_out else DeviceArray(out)
+        if w.host_out and residual is None:
+            return out.copy_to_host()  # the logits: the one result the host needs
+        y = DeviceArray(out)
+        if residual is None:
+            return y
+        return self.add_(residual, y if post_w is None else self.rmsnorm(y, post_w, eps))
+
+    def _as_dev_array(self, x) -> DeviceArray:
+        return x if isinstance(x, DeviceArray) else DeviceArray(self._dev(x))
 
     def embed(self, w, ids: np.ndarray):
         w = self._w(w)
@@ -294,11 +313,13 @@ class CUDABackend:
             return self.cpu.rmsnorm(x, w, eps)
         return DeviceArray(self.ops.rmsnorm(x.contiguous(), _as_device(w), eps))
 
-    def rope(self, x, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0):
+    def rope(self, x, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0,
+             heads: int | None = None):
         if not isinstance(x, DeviceArray):
-            return self.cpu.rope(x, pos, base, neox, n_rot, scale)
+            return self.cpu.rope(x, pos, base, neox, n_rot, scale, heads)
         xd = x.contiguous()
-        self.ops.rope(xd, self._ints(pos), self._freqs(base, n_rot, scale), neox)
+        part = xd if heads is None else xd[:, :heads]  # q and k of a fused QKV: rotated in place, v untouched
+        self.ops.rope(part, self._ints(pos), self._freqs(base, n_rot, scale), neox)
         return DeviceArray(xd)
 
     def _freqs(self, base: float, n_rot: int, scale: float):
