@@ -101,7 +101,8 @@ def cmd_run(args) -> int:
     from .llm import load
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = load(args.model, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, progress=not args.quiet)
+    llm = load(args.model, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, progress=not args.quiet,
+               gpu_layers=args.gpu_layers)
     if args.chat:
         prompt_in = llm.chat_ids(llm.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True))
     else:
@@ -161,7 +162,7 @@ def cmd_chat(args) -> int:
     except ImportError:
         pass
     llm = load(args.model or DEFAULT_MODEL, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device,
-               progress=True)
+               progress=True, gpu_layers=args.gpu_layers)
     sampling = dict(temperature=args.temp, seed=args.seed)
     sess = llm.session(system=args.system, max_tokens=args.max_tokens, **sampling)
     print(f"edgekv chat: {llm.path.name} ({llm.cfg.arch}, kv {llm.kv_type}, ctx {llm.n_ctx}). /help for commands.", flush=True)
@@ -303,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ctx", type=int, default=4096)
     s.add_argument("--kv", default="f16")
     s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda when a GPU is usable)")
+    s.add_argument("--gpu-layers", type=int, default=None, metavar="N", help="with cuda: only the first N blocks on the GPU")
     s.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
     s.add_argument("--top-k", type=int, default=40)
     s.add_argument("--top-p", type=float, default=0.95)
@@ -318,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv", default="f16", help="KV cache type")
     s.add_argument("--ctx", type=int, default=4096, help="KV cache capacity in tokens")
     s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda when a GPU is usable)")
+    s.add_argument("--gpu-layers", type=int, default=None, metavar="N", help="with cuda: only the first N blocks on the GPU")
     s.add_argument("--temp", type=float, default=0.7, help="sampling temperature (0 = greedy)")
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--system", default=None, help="system prompt")

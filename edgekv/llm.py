@@ -22,7 +22,7 @@ class LLM:
     """A model ready to run. Create with `edgekv.load`."""
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
-                 device: str = "cpu", n_sink: int = 4):
+                 device: str = "cpu", n_sink: int = 4, gpu_layers: int | None = None):
         from .chat_template import ChatTemplate
         from .models import build_model
         from .tokenizer import Tokenizer
@@ -33,7 +33,7 @@ class LLM:
             raise EdgekvError(f"unknown KV cache type {kv!r} (choose {', '.join(KV_KINDS)})")
         self.path = Path(path)
         self.file = GGUFFile(path)
-        self.backend = get_backend(device, threads)
+        self.backend = get_backend(device, threads, gpu_layers)
         self.model = build_model(self.file, self.backend)
         self.cfg = self.model.cfg
         self.tokenizer = Tokenizer.from_metadata(self.file.meta)
@@ -159,8 +159,10 @@ class LLM:
 
 
 def load(model: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
-         device: str = "cpu", progress: bool = True) -> LLM:
-    """Load a known model name (pulled on first use) or a .gguf path."""
+         device: str = "cpu", progress: bool = True, gpu_layers: int | None = None) -> LLM:
+    """Load a known model name (pulled on first use) or a .gguf path. device: "cpu", "cuda" or
+    "auto" (cuda when a GPU is usable); gpu_layers: with cuda, only the first N blocks on the GPU."""
     from .hub import resolve
 
-    return LLM(resolve(model, progress=progress), n_ctx=n_ctx, kv=kv, threads=threads, device=device)
+    return LLM(resolve(model, progress=progress), n_ctx=n_ctx, kv=kv, threads=threads, device=device,
+               gpu_layers=gpu_layers)

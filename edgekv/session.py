@@ -116,6 +116,9 @@ class ChatSession:
                 tokens=self.seq.tokens, cached_text=self._cached_text, sampling=params, sampler=self.sampler.state(),
                 layers=[dict(n_written=lk.n_written, n_sink=lk.n_sink) for lk in self.seq.cache.layers],
             )
+            sync = getattr(self.llm.backend, "sync_to_host", None)  # a GPU backend holds the rings
+            if sync is not None:
+                sync(self.seq.cache)
             arrays = {}
             for i, lk in enumerate(self.seq.cache.layers):
                 arrays.update({f"k{i}": lk.k, f"v{i}": lk.v, f"pos{i}": lk.pos})

@@ -24,14 +24,25 @@ The operations (x float32, n = tokens in the batch):
 from __future__ import annotations
 
 
-def get_backend(device: str = "cpu", threads: int | None = None):
-    """The backend object for a device name: "cpu", "reference" (numpy oracle) or "cuda"."""
+def get_backend(device: str = "cpu", threads: int | None = None, gpu_layers: int | None = None):
+    """The backend object for a device name: "cpu", "reference" (numpy oracle), "cuda" or "auto"
+    (cuda when a GPU is usable, else cpu). gpu_layers (cuda/auto only): the first N transformer
+    blocks on the GPU, the rest on the CPU (None = all). numba.cuda is imported only for cuda/auto."""
     from ..errors import DeviceError
 
+    if gpu_layers is not None and device not in ("cuda", "auto"):
+        raise DeviceError(f"gpu_layers needs device cuda or auto, not {device!r}")
+    if device == "auto":
+        from .cuda import cuda_unusable
+        device = "cpu" if cuda_unusable() else "cuda"
+        gpu_layers = gpu_layers if device == "cuda" else None
+    if device == "cuda":
+        from .cuda import CUDABackend
+        return CUDABackend(threads, gpu_layers)
     if device == "reference":
         from .reference import ReferenceBackend
         return ReferenceBackend()
     if device == "cpu":
         from .cpu import CPUBackend
         return CPUBackend(threads)
-    raise DeviceError(f"unknown device {device!r} (choose cpu or reference)")
+    raise DeviceError(f"unknown device {device!r} (choose cpu, cuda, auto or reference)")

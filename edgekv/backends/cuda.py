@@ -1,0 +1,427 @@
+"""The CUDA backend: the numba.cuda kernels of kernels_gpu/ behind the backend interface, with
+partial offload (the first `gpu_layers` blocks on the GPU, the rest on the CPU backend).
+
+Where things live:
+- Weights: copied to the device once, at prepare/fuse, still in their GGUF blocks (same-type
+  fused weights stacked into one device array, so QKV is one launch).
+- Activations: `DeviceArray`, a numba device array with the few numpy-like operations the
+  model files use (column slices, reshape, `+=` a bias, `*=` a scalar).
+- KV rings: a device copy of each LayerKV's arrays, made at its first attention. The host
+  LayerKV stays the bookkeeper (positions, write cursor, trim, reset); the device keeps its own
+  copy of `pos`, updated by the store kernel, and re-uploaded only when the host's changed
+  behind its back (trim, reset). `sync_to_host` copies the rings back (saving a session).
+- Host crossings per decode step: the token id and position in; slot indices (one small
+  upload, shared by all layers of one ring size); the logits out. The interface hands the
+  sampler host logits, so the vocabulary projection (the GGUF's output.weight, or
+  token_embd.weight when tied) is the one matmul whose result is copied back.
+Nothing here is imported unless a CUDA device is asked for.
+"""
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DeviceError
+from ..gguf_file import Tensor
+from ..kvcache import LayerKV
+
+_VOCAB_OUT = ("output.weight", "token_embd.weight")  # matmuls whose result goes back as host logits
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def cuda_unusable() -> str | None:
+    """None when numba.cuda can run kernels here (a GPU, or the simulator), else why not, in one line."""
+    try:
+        from numba import cuda
+    except ImportError as e:  # a numba without its built-in CUDA target and no numba-cuda
+        return f"numba's CUDA target is not installed (pip install 'edgekv[cuda]'): {e}"
+    if cuda.is_available():
+        return None
+    try:
+        cuda.current_context()
+    except Exception as e:  # noqa: BLE001 (the driver's own words are the reason)
+        return " ".join(str(e).split()).rstrip(" :")[:300] or type(e).__name__
+    return "numba.cuda reports no usable GPU"
+
+
+class DeviceArray:
+    """A float32 device array, with the numpy operations the model files apply to activations."""
+
+    __slots__ = ("dev",)
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    shape = property(lambda self: tuple(self.dev.shape))
+    ndim = property(lambda self: self.dev.ndim)
+    dtype = property(lambda self: self.dev.dtype)
+    size = property(lambda self: self.dev.size)
+
+    def __len__(self) -> int:
+        return self.dev.shape[0]
+
+    def __getitem__(self, idx) -> "DeviceArray":
+        return DeviceArray(self.dev[idx])  # a view (strided for column slices)
+
+    def contiguous(self):
+        from ..kernels_gpu.ops import contiguous
+
+        return contiguous(self.dev)
+
+    def reshape(self, *shape) -> "DeviceArray":
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        if -1 in shape:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape = tuple(self.size // max(known, 1) if s == -1 else s for s in shape)
+        return DeviceArray(self.contiguous().reshape(*shape))  # a column slice is copied first, as numpy would
+
+    def __iadd__(self, other) -> "DeviceArray":
+        from ..kernels_gpu import ops
+
+        b = _as_device(other)
+        if tuple(b.shape) == self.shape:
+            ops.add_(self.dev, _contig(b))
+        elif b.ndim == 1 and self.ndim == 2:
+            ops.add_rows_(self.dev, _contig(b))  # a bias on every row
+        else:
+            raise ValueError(f"DeviceArray +=: shapes {self.shape} and {tuple(b.shape)}")
+        return self
+
+    def __imul__(self, s) -> "DeviceArray":
+        from ..kernels_gpu import ops
+
+        if np.ndim(s) != 0:
+            raise ValueError("DeviceArray *=: only a scalar")
+        ops.scale_(self.dev, float(s))
+        return self
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        h = self.dev.copy_to_host()
+        return h if dtype is None else h.astype(dtype)
+
+    def copy_to_host(self) -> np.ndarray:
+        return self.dev.copy_to_host()
+
+
+_consts: dict[int, tuple] = {}  # id(host array) -> (weakref to it, its device copy): model constants
+
+
+def _as_device(a):
+    """The device array for a DeviceArray, a device array, or a host array (a model constant such
+    as a norm weight or a bias: uploaded once and kept, keyed by identity)."""
+    if isinstance(a, DeviceArray):
+        return a.dev
+    if not isinstance(a, np.ndarray):
+        return a
+    hit = _consts.get(id(a))
+    if hit is None or hit[0]() is not a:
+        from numba import cuda
+
+        hit = (weakref.ref(a), cuda.to_device(np.ascontiguousarray(a, dtype=np.float32)))
+        _consts[id(a)] = hit
+        weakref.finalize(a, _consts.pop, id(a), None)  # the device copy goes with the host array
+    return hit[1]
+
+
+def _contig(d):
+    from ..kernels_gpu.ops import contiguous
+
+    return contiguous(d)
+
+
+def _dcopy(d):
+    from numba import cuda
+
+    out = cuda.device_array(d.shape, d.dtype)
+    out.copy_to_device(d)
+    return out
+
+
+@dataclass
+class GPUWeight:
+    parts: tuple  # ((kernels_gpu.qmatmul.DeviceWeight, first output column), ...)
+    n_out: int
+    n_in: int
+    host_out: bool  # the vocabulary projection: results go back to the host as logits
+
+
+class _Placed:
+    """token_embd / output: placed at first use, when every block has been prepared (they go to
+    the GPU only when all blocks do, as llama.cpp's -ngl puts the output layer last)."""
+
+    def __init__(self, tensors: list[Tensor]):
+        self.tensors, self.handle = tensors, None
+
+
+@dataclass
+class _Ring:
+    """Device copy of one LayerKV: K and V as kernels_gpu.kvquant (h, b, s) triples, pos, and the
+    host pos it last agreed with."""
+    K: tuple
+    V: tuple
+    k: object
+    v: object
+    ks: object
+    vs: object
+    pos: object
+    shadow: np.ndarray
+    owner: object
+
+
+class CUDABackend:
+    name = "cuda"
+
+    def __init__(self, threads: int | None = None, gpu_layers: int | None = None):
+        reason = cuda_unusable()
+        if reason:
+            raise DeviceError(f"device 'cuda' is not usable: {reason}")
+        if gpu_layers is not None and gpu_layers < 0:
+            raise DeviceError(f"gpu_layers must be >= 0, got {gpu_layers}")
+        from numba import cuda
+
+        from ..kernels_gpu import kvquant, launch, ops, qmatmul
+
+        launch.quiet_small_grids()
+        self.cuda, self.ops, self.qm, self.kvq = cuda, ops, qmatmul, kvquant
+        self.threads, self.gpu_layers = threads, gpu_layers
+        self._cpu = None
+        self._n_blocks = 0
+        self._ints_cache: dict[bytes, object] = {}
+        self._inv_freq: dict[tuple, object] = {}
+        self.weight_bytes = 0  # weights on the device so far
+
+    @property
+    def cpu(self):
+        """The CPU backend for the layers left on the CPU (made on first need)."""
+        if self._cpu is None:
+            from .cpu import CPUBackend
+
+            self._cpu = CPUBackend(self.threads)
+        return self._cpu
+
+    # -- weights ---------------------------------------------------------------------
+    def _upload(self, ts: list[Tensor]) -> GPUWeight:
+        parts, col, groups = [], 0, []
+        for t in ts:  # runs of one type become one stacked device weight
+            if groups and groups[-1][-1].qtype == t.qtype:
+                groups[-1].append(t)
+            else:
+                groups.append([t])
+        for g in groups:
+            w = self.qm.upload([t.raw for t in g], g[0].qtype)
+            parts.append((w, col))
+            col += w.n_out
+            self.weight_bytes += w.nbytes
+        return GPUWeight(tuple(parts), col, parts[0][0].n_in, len(ts) == 1 and ts[0].name in _VOCAB_OUT)
+
+    def _block_on_gpu(self, name: str) -> bool | None:
+        m = _BLOCK.match(name)
+        if m is None:
+            return None
+        i = int(m.group(1))
+        self._n_blocks = max(self._n_blocks, i + 1)
+        return self.gpu_layers is None or i < self.gpu_layers
+
+    def prepare(self, t: Tensor):
+        on = self._block_on_gpu(t.name)
+        if on is None:
+            return _Placed([t])
+        return self._upload([t]) if on else self.cpu.prepare(t)
+
+    def fuse(self, ts: list[Tensor]):
+        on = self._block_on_gpu(ts[0].name)
+        if on is None:
+            return _Placed(list(ts))
+        return self._upload(list(ts)) if on else self.cpu.fuse(ts)
+
+    def _w(self, w):
+        if isinstance(w, _Placed):
+            if w.handle is None:
+                all_gpu = self.gpu_layers is None or self.gpu_layers >= self._n_blocks
+                if all_gpu:
+                    w.handle = self._upload(w.tensors)
+                else:
+                    w.handle = self.cpu.prepare(w.tensors[0]) if len(w.tensors) == 1 else self.cpu.fuse(w.tensors)
+            return w.handle
+        return w
+
+    # -- where an activation lives -------------------------------------------------------
+    def _dev(self, x):
+        """x as a C-contiguous device array (host arrays are uploaded)."""
+        if isinstance(x, DeviceArray):
+            return x.contiguous()
+        return self.cuda.to_device(np.ascontiguousarray(x, dtype=np.float32))
+
+    @staticmethod
+    def _host(x) -> np.ndarray:
+        return x.copy_to_host() if isinstance(x, DeviceArray) else x
+
+    def _ints(self, a: np.ndarray):
+        """A small int64 host array on the device, cached by content: positions and slots repeat
+        across the layers of a step, so each crosses once."""
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        key = a.tobytes()
+        d = self._ints_cache.get(key)
+        if d is None:
+            if len(self._ints_cache) >= 64:
+                self._ints_cache.pop(next(iter(self._ints_cache)))
+            d = self._ints_cache[key] = self.cuda.to_device(a)
+        return d
+
+    # -- ops -------------------------------------------------------------------------
+    def matmul(self, x, w, *, pre: str | None = None, pre_w: np.ndarray | None = None, eps: float = 1e-6,
+               residual=None, post_w: np.ndarray | None = None):
+        """The interface's composite matmul from the primitive kernels: pre(x) @ W.T, then
+        residual += y (rmsnorm(y) * post_w when given). Host inputs of a GPU weight go up; a CPU
+        weight (partial offload) gets host inputs and runs the whole op on the CPU."""
+        w = self._w(w)
+        if not isinstance(w, GPUWeight):
+            return self.cpu.matmul(self._host(x), w, pre=pre, pre_w=pre_w, eps=eps,
+                                   residual=None if residual is None else self._host(residual), post_w=post_w)
+        if pre == "norm":
+            x = self.rmsnorm(self._as_dev_array(x), pre_w, eps)
+        elif pre is not None:  # x (n, 2k): gate and up side by side
+            x = self._as_dev_array(x)
+            k = x.shape[1] // 2
+            x = {"silu": self.silu_mul, "gelu": self.gelu_mul}[pre](x[:, :k], x[:, k:])
+        xd = self._dev(x)
+        out = self.cuda.device_array((xd.shape[0], w.n_out), np.float32)
+        for part, col in w.parts:
+            self.qm.qmatmul(xd, part, out, col)
+        if w.host_out and residual is None:
+            return out.copy_to_host()  # the logits: the one result the host needs
+        y = DeviceArray(out)
+        if residual is None:
+            return y
+        return self.add_(residual, y if post_w is None else self.rmsnorm(y, post_w, eps))
+
+    def _as_dev_array(self, x) -> DeviceArray:
+        return x if isinstance(x, DeviceArray) else DeviceArray(self._dev(x))
+
+    def embed(self, w, ids: np.ndarray):
+        w = self._w(w)
+        if not isinstance(w, GPUWeight):
+            return self.cpu.embed(w, ids)
+        part = w.parts[0][0]
+        return DeviceArray(self.qm.dequantize_rows(part, self._ints(ids)))
+
+    def rmsnorm(self, x, w: np.ndarray, eps: float):
+        if not isinstance(x, DeviceArray):
+            return self.cpu.rmsnorm(x, w, eps)
+        return DeviceArray(self.ops.rmsnorm(x.contiguous(), _as_device(w), eps))
+
+    def rope(self, x, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0,
+             heads: int | None = None):
+        if not isinstance(x, DeviceArray):
+            return self.cpu.rope(x, pos, base, neox, n_rot, scale, heads)
+        xd = x.contiguous()
+        part = xd if heads is None else xd[:, :heads]  # q and k of a fused QKV: rotated in place, v untouched
+        self.ops.rope(part, self._ints(pos), self._freqs(base, n_rot, scale), neox)
+        return DeviceArray(xd)
+
+    def _freqs(self, base: float, n_rot: int, scale: float):
+        key = (base, n_rot, scale)
+        if key not in self._inv_freq:  # as kernels_cpu.ops._inv_freq
+            f = scale * np.power(np.float64(base), -np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+            self._inv_freq[key] = self.cuda.to_device(f)
+        return self._inv_freq[key]
+
+    def silu_mul(self, g, u):
+        if not isinstance(g, DeviceArray):
+            return self.cpu.silu_mul(g, self._host(u))
+        return DeviceArray(self.ops.silu_mul(g.dev, _as_device(u)))
+
+    def gelu_mul(self, g, u):
+        if not isinstance(g, DeviceArray):
+            return self.cpu.gelu_mul(g, self._host(u))
+        return DeviceArray(self.ops.gelu_mul(g.dev, _as_device(u)))
+
+    def add_(self, a, b):
+        """a += b where b was computed: the residual follows the layer that just ran, so it
+        crosses only where the GPU and CPU layers meet."""
+        if not isinstance(b, DeviceArray):
+            return self.cpu.add_(self._host(a), b)
+        ad = a.contiguous() if isinstance(a, DeviceArray) else self._dev(a)
+        self.ops.add_(ad, b.contiguous())
+        return DeviceArray(ad)
+
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple):
+        if not isinstance(q, DeviceArray):
+            return self.cpu.attention(q, q_pos, kv, self._host(k), self._host(v), scale, rope)
+        kq, ops = self.kvq, self.ops
+        r = self._ring(kv)
+        n = q_pos.shape[0]
+        qd, kd, vd = q.contiguous(), self._dev(k), self._dev(v)
+        dpos = self._ints(q_pos)
+        shift = kv.sink_shift(q_pos)
+        q_sink = None
+        if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
+            base, neox, n_rot, rscale = rope
+            q_sink = ops.rope(_dcopy(qd), self._ints(-shift), self._freqs(base, n_rot, rscale), neox)
+        if kv.rotated:  # rotate a copy: the caller's q stays as it was
+            qd = kq.hadamard_(_dcopy(qd))
+            if q_sink is not None:
+                kq.hadamard_(q_sink)
+        if kv.write_first(n):
+            self._store(kv, r, kd, vd, q_pos)
+            fk = fv = self.cuda.device_array((0,) + tuple(kd.shape[1:]), np.float32)
+            fpos = self._ints(q_pos[:0])
+        else:  # attend over (ring, this batch), then store
+            fk = kq.hadamard_(_dcopy(kd)) if kv.rotated else kd
+            fv, fpos = vd, dpos
+        n_ring = min(kv.n_written, kv.capacity)  # a ring fills from slot 0: later slots are empty
+        out = kq.kv_attention(kv.kind, qd, q_sink, dpos, r.K, r.V, r.pos, n_ring, kv.n_sink, fk, fv, fpos, scale,
+                              kv.span)
+        if fk.shape[0]:
+            self._store(kv, r, kd, vd, q_pos)
+        return DeviceArray(out)
+
+    def _store(self, kv: LayerKV, r: _Ring, k, v, pos: np.ndarray) -> None:
+        sel, slots = kv.last_writers(len(pos))
+        m = len(sel)
+        idx = self._ints(np.concatenate([sel, slots, pos[sel]]))  # one upload: rows, slots, positions
+        rows, dslots, vals = idx[0:m], idx[m : 2 * m], idx[2 * m : 3 * m]
+        self.kvq.kv_store(kv.kind, k, r.K, rows, dslots, kv.rotated)
+        self.kvq.kv_store(kv.kind, v, r.V, rows, dslots, False)
+        self.kvq.set_pos(r.pos, dslots, vals)
+        kv.pos[slots] = pos[sel]
+        kv.n_written += len(pos)
+        r.shadow[slots] = pos[sel]
+
+    def _ring(self, kv: LayerKV) -> _Ring:
+        """The device copy of kv (made from the host arrays on first use), its positions brought
+        up to date when the host changed them (trim, reset)."""
+        r = kv.__dict__.get("_cuda_ring")
+        if r is None or r.owner is not self:
+            if kv.n_written == 0 and (kv.pos < 0).all():
+                # an empty ring: allocate only (attention reads a slot only once it is written)
+                up = lambda a: self.cuda.device_array(a.shape, a.dtype)  # noqa: E731
+            else:
+                up = self.cuda.to_device
+            k = up(kv.k.view(np.uint16) if kv.kind == "f16" else kv.k.view(np.uint8))
+            v = up(kv.v.view(np.uint16) if kv.kind == "f16" else kv.v.view(np.uint8))
+            ks, vs = up(kv.k_scale.view(np.uint16)), up(kv.v_scale.view(np.uint16))
+            r = _Ring(self.kvq.ring_arrays(kv.kind, k, ks), self.kvq.ring_arrays(kv.kind, v, vs), k, v, ks, vs,
+                      self.cuda.to_device(kv.pos), kv.pos.copy(), self)
+            kv.__dict__["_cuda_ring"] = r  # lives and dies with the LayerKV
+        elif not np.array_equal(r.shadow, kv.pos):
+            r.pos.copy_to_device(kv.pos)
+            r.shadow[:] = kv.pos
+        return r
+
+    def sync_to_host(self, cache) -> None:
+        """Copy the device rings of `cache` (a KVCache) into its host arrays (before saving it)."""
+        for kv in cache.layers:
+            r = kv.__dict__.get("_cuda_ring")
+            if r is not None:
+                r.k.copy_to_host(kv.k.view(r.k.dtype))
+                r.v.copy_to_host(kv.v.view(r.v.dtype))
+                if kv.kind != "f16":
+                    r.ks.copy_to_host(kv.k_scale.view(np.uint16))
+                    r.vs.copy_to_host(kv.v_scale.view(np.uint16))
+                empty = kv.pos < 0  # never written on the device: whatever the allocation held
+                for a in (kv.k, kv.v) + ((kv.k_scale, kv.v_scale) if kv.kind != "f16" else ()):
+                    a[empty] = 0

@@ -1,0 +1,119 @@
+"""The CUDA backend end to end on tiny synthetic models: logits as the numpy reference's, the
+same greedy tokens as the CPU backend, rings that wrap (sinks, sliding windows), a batch that
+attends before it is stored, int4 caches, partial offload, and a session saved from the device."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_common import SIM, launch_sizes  # noqa: F401  (fixture)
+from edgekv import LLM
+from edgekv.backends.cuda import CUDABackend, DeviceArray
+from edgekv.synth import write_synthetic
+
+# tiny shapes: under the simulator every GPU thread is a Python thread
+LLAMA = dict(n_layer=2, n_embd=32, n_head=1, n_head_kv=1, n_ff=32, n_vocab=264, n_ctx=64)
+GEMMA = dict(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=32, n_ff=32, n_vocab=264, n_ctx=64,
+             sliding_window=4)  # both layers slide; GQA
+PROMPT = [1, 200, 17, 42, 99, 7]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_synth")
+    return {
+        "llama": write_synthetic(d / "llama.gguf", "llama", "tiny", "q4_0", progress=False, **LLAMA),
+        "gemma3": write_synthetic(d / "gemma3.gguf", "gemma3", "tiny", "q8_0", progress=False, **GEMMA),
+    }
+
+
+def greedy(llm: LLM, n: int) -> list[int]:
+    """n argmax tokens after PROMPT (no end-of-generation stop: random models emit EOS)."""
+    c = llm.new_cache()
+    out = [int(np.argmax(llm.forward(PROMPT, c, 0)[-1]))]
+    while len(out) < n:
+        out.append(int(np.argmax(llm.forward([out[-1]], c, len(PROMPT) + len(out) - 1)[-1])))
+    return out
+
+
+def steps(llm: LLM) -> np.ndarray:
+    """Logits of three calls on one 8-token ring with 4 sinks: 6 tokens (stored, then read), 4
+    more (attended as a fresh batch, then stored, wrapping the ring), one decode step (sinks
+    seen through the counter-rotated query)."""
+    c = llm.new_cache()
+    a = llm.forward(PROMPT, c, 0, last_only=False)
+    b = llm.forward([3, 5, 8, 13], c, 6, last_only=False)
+    d = llm.forward([21], c, 10)
+    for x in (a, b, d):
+        assert isinstance(x, np.ndarray)  # logits come back to the host
+    return np.concatenate([a, b, d])
+
+
+@pytest.mark.parametrize("arch,kv", [("llama", "f16"), ("gemma3", "int4")])
+def test_logits_match_reference(models, arch, kv):
+    gpu = LLM(models[arch], n_ctx=8, kv=kv, device="cuda")
+    assert isinstance(gpu.backend, CUDABackend) and gpu.backend.weight_bytes > 0
+    ref = LLM(models[arch], n_ctx=8, kv=kv, device="reference")
+    a, b = steps(gpu), steps(ref)
+    rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+    # float activations on both: summation order, and (int4) a rare one-level rounding flip
+    assert rel.max() < (1e-4 if kv == "f16" else 2e-2), rel
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_same_greedy_tokens_as_cpu(models, arch):
+    """n_ctx 8 with 4 sinks (llama) / windows of 4 (gemma3): the ring wraps while decoding."""
+    gpu = LLM(models[arch], n_ctx=8, device="cuda")
+    cpu = LLM(models[arch], n_ctx=8, device="cpu")
+    assert greedy(gpu, 4) == greedy(cpu, 4)
+
+
+def test_partial_offload(models):
+    part = LLM(models["llama"], n_ctx=16, device="cuda", gpu_layers=1)
+    full = LLM(models["llama"], n_ctx=16, device="cuda")
+    be = part.backend
+    assert be._cpu is not None and be.weight_bytes < full.backend.weight_bytes  # block 1, embeddings, output on the CPU
+    from edgekv.backends.cuda import GPUWeight
+
+    assert isinstance(part.model.layers[0]["attn_output"], GPUWeight)
+    assert not isinstance(part.model.layers[1]["attn_output"], GPUWeight)  # the CPU backend's handle
+    rows = []
+    for llm in (part, full):  # a prefill and a decode step: the residual crosses at the layer boundary
+        c = llm.new_cache()
+        rows.append(np.concatenate([llm.forward(PROMPT, c, 0, last_only=False), llm.forward([5], c, len(PROMPT))]))
+    a, b = rows
+    rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+    assert rel.max() < 3e-2, rel  # the CPU block takes its int8-activation path for <= 7 tokens
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8
+
+
+def test_session_saved_from_the_device(models, tmp_path):
+    """A session's cache lives on the device; saving copies it back, and a CPU LLM continues it."""
+    from edgekv.session import ChatSession
+
+    gpu = LLM(models["llama"], n_ctx=32, device="cuda")
+    s = gpu.session()
+    s.seq.feed(PROMPT[:3])
+    lk = s.seq.cache.layers[0]
+    ring = lk.__dict__["_cuda_ring"]
+    assert not lk.k.any()  # the host copy is stale until a save
+    s.save(tmp_path / "s.edgekv")
+    written = lk.pos >= 0
+    assert written.sum() == 3
+    np.testing.assert_array_equal(lk.k.view(np.uint16)[written], ring.k.copy_to_host()[written])
+    assert lk.k[written].any() and not lk.k[~written].any()  # empty slots saved as zeros
+    cpu = LLM(models["llama"], n_ctx=32, device="cpu")
+    t = ChatSession.load(tmp_path / "s.edgekv", cpu)
+    assert t.seq.tokens == PROMPT[:3] and np.array_equal(t.seq.cache.layers[1].k, s.seq.cache.layers[1].k)
+
+
+def test_device_array_numpy_surface():
+    from numba import cuda
+
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    d = DeviceArray(cuda.to_device(x))
+    np.testing.assert_array_equal(np.asarray(d[:, 2:5].reshape(2, 3, 1)), x[:, 2:5].reshape(2, 3, 1))
+    d += np.ones(6, np.float32)  # a bias on every row
+    d *= np.float32(2.0)
+    np.testing.assert_array_equal(np.asarray(d[-1:]), ((x + 1) * 2)[-1:])
+    assert d.shape == (2, 6) and len(d) == 2 and d.reshape(-1, 3).shape == (4, 3)

@@ -1,0 +1,223 @@
+"""Every GPU kernel against its CPU/numpy reference, on tiny shapes.
+
+Run by tests/test_gpu.py in a subprocess with NUMBA_ENABLE_CUDASIM=1 (numba's CUDA simulator:
+every GPU thread is a Python thread, hence the tiny shapes and blocks), and by
+bench/gpu_check.sh on a real GPU (EDGEKV_GPU_REAL=1, default launch sizes). File names
+sim_*.py keep these out of the normal collection, which has no simulator.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+from gpu_common import SIM, launch_sizes  # noqa: F401  (fixture)
+from edgekv.kernels_cpu import kvquant as ckv
+from edgekv.kernels_cpu import ops as cops
+from edgekv.kvcache import hadamard, quantize
+from edgekv.kvcache import dequantize as kv_dequantize
+from edgekv.quants import BY_NAME
+from numba import cuda
+
+from edgekv.kernels_gpu import kvquant as gkv
+from edgekv.kernels_gpu import ops as gops
+from edgekv.kernels_gpu import qmatmul as gq
+
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+TYPES = ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def random_raw(name: str, m: int, k: int, rng) -> np.ndarray:
+    """(m, row_bytes) uint8: random bytes (every bit pattern of quants and high bits) with the
+    float16 fields small and finite; float types: Gaussian values."""
+    if name in ("F32", "F16"):
+        return np.ascontiguousarray(rng.standard_normal((m, k)).astype(np.float32 if name == "F32" else np.float16)).view(np.uint8)
+    qt = BY_NAME[name]
+    nb = k // qt.block_elems
+    raw = rng.integers(0, 256, size=(m, nb, qt.block_bytes), dtype=np.uint8)
+    for off in F16_FIELDS[name]:
+        vals = (rng.standard_normal((m, nb)) * 0.02).astype(np.float16)
+        raw[:, :, off : off + 2] = vals.view(np.uint8).reshape(m, nb, 2)
+    return raw.reshape(m, nb * qt.block_bytes)
+
+
+def dense(raw: np.ndarray, name: str) -> np.ndarray:
+    """float64 (m, k) by gguf.quants (the format's reference decoder)."""
+    if name == "F32":
+        return raw.view(np.float32).astype(np.float64)
+    if name == "F16":
+        return raw.view(np.float16).astype(np.float64)
+    return dequantize(raw, BY_NAME[name].id).reshape(raw.shape[0], -1).astype(np.float64)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_qmatmul_and_rows(name):
+    rng = np.random.default_rng(BY_NAME[name].id)
+    k = {1: 72, 32: 96, 256: 256}[BY_NAME[name].block_elems]  # float rows with a partial unit
+    raw = random_raw(name, 3, k, rng)
+    ref_w = dense(raw, name)  # (3, k)
+    w = gq.upload(raw, BY_NAME[name].id)
+    assert (w.n_out, w.n_in) == (3, k)
+    for n in (1, 3):  # the one-token kernel and the tiled one (partial tile)
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        got = gq.qmatmul(cuda.to_device(x), w).copy_to_host()
+        ref = x.astype(np.float64) @ ref_w.T
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    ids = np.array([2, 0, 2], np.int64)
+    rows = gq.dequantize_rows(w, cuda.to_device(ids)).copy_to_host()
+    np.testing.assert_array_equal(rows, ref_w[ids].astype(np.float32))
+
+
+def test_qmatmul_fused_into_columns():
+    """Stacked same-type weights (fused QKV) and a second type written at a column offset."""
+    rng = np.random.default_rng(5)
+    a, b, c = (random_raw("Q8_0", m, 64, rng) for m in (2, 1, 1))
+    d = random_raw("Q4_0", 2, 64, rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    out = cuda.device_array((2, 6), np.float32)
+    fused = gq.upload([a, b, c], BY_NAME["Q8_0"].id)
+    gq.qmatmul(cuda.to_device(x), fused, out, 0)
+    gq.qmatmul(cuda.to_device(x), gq.upload(d, BY_NAME["Q4_0"].id), out, 4)
+    ref = x.astype(np.float64) @ np.concatenate([dense(a, "Q8_0"), dense(b, "Q8_0"), dense(c, "Q8_0"), dense(d, "Q4_0")]).T
+    np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_halves_round_like_numpy():
+    """f2h / h2f against numpy on specials, subnormals, ties and random values."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([
+        np.array([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, -1e9, 6.1e-5, 5.96e-8, 2.98e-8, 1e-9, 3e-8,
+                  1.00048828125, 1.00146484375, 2049.0, 2051.0], np.float32),  # ties go to even
+        (rng.standard_normal(40) * 10.0 ** rng.integers(-8, 5, 40)).astype(np.float32),
+    ])
+    bits = cuda.device_array(x.shape, np.int64)
+    back = cuda.device_array(x.shape, np.float32)
+
+    @cuda.jit
+    def roundtrip(x, bits, back):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            b = gops.f2h(x[i])
+            bits[i] = b
+            back[i] = gops.h2f(b)
+
+    roundtrip[1, 64](cuda.to_device(x), bits, back)
+    with np.errstate(over="ignore"):  # numpy warns when it rounds to inf; so do we
+        want = x.astype(np.float16)
+    np.testing.assert_array_equal(bits.copy_to_host(), want.view(np.uint16).astype(np.int64))
+    np.testing.assert_array_equal(back.copy_to_host(), want.astype(np.float32))
+
+
+def test_rmsnorm_rope_activations_adds():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    got = gops.rmsnorm(cuda.to_device(x), cuda.to_device(w), 1e-6).copy_to_host()
+    np.testing.assert_allclose(got, cops.rmsnorm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+
+    pos = np.array([0, 7, 1 << 20], np.int64)  # a large position: the float64 angle matters
+    for neox, n_rot in ((False, 64), (True, 64), (False, 32), (True, 48)):
+        inv = 0.5 * 10000.0 ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+        q = rng.standard_normal((3, 2, 64)).astype(np.float32)
+        dq = cuda.to_device(q)
+        gops.rope(dq, cuda.to_device(pos), cuda.to_device(inv), neox)
+        ref = cops.rope(q.copy(), pos, 10000.0, neox, n_rot, 0.5)
+        np.testing.assert_allclose(dq.copy_to_host(), ref, rtol=1e-5, atol=1e-5)
+
+    gu = (rng.standard_normal((2, 80)) * 4).astype(np.float32)
+    dgu = cuda.to_device(gu)
+    g, u = gu[:, :40], gu[:, 40:]
+    np.testing.assert_allclose(gops.silu_mul(dgu[:, :40], dgu[:, 40:]).copy_to_host(),
+                               cops.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gops.gelu_mul(dgu[:, :40], dgu[:, 40:]).copy_to_host(),
+                               cops.gelu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u)), rtol=1e-5, atol=1e-6)
+    c = gops.contiguous(dgu[:, 40:])
+    assert c.is_c_contiguous()
+    np.testing.assert_array_equal(c.copy_to_host(), u)
+
+    a, b = rng.standard_normal((2, 2, 5)).astype(np.float32)
+    da = cuda.to_device(a)
+    gops.add_(da, cuda.to_device(b))
+    gops.scale_(da, 3.0)
+    gops.add_rows_(da.reshape(2, 5), cuda.to_device(b[0]))
+    np.testing.assert_allclose(da.copy_to_host(), (a + b) * np.float32(3.0) + b[0], rtol=1e-6)
+
+
+def _ring(kind, cap, nkv, hd):
+    q, s = ckv.kv_arrays(kind, cap, nkv, hd)
+    dq = cuda.to_device(q.view(np.uint16) if kind == "f16" else q.view(np.uint8))
+    ds = cuda.to_device(s.view(np.uint16))
+    return q, s, dq, ds
+
+
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+def test_kv_store_load_bytes_match_numpy(kind):
+    """Stored bytes equal the numpy reference quantizer's (kvcache.quantize of the rotated rows)."""
+    rng = np.random.default_rng(2)
+    cap, nkv, hd = 5, 2, 64
+    x = rng.standard_normal((3, nkv, hd)).astype(np.float32)
+    x[0, 0, :32] = 0.0  # an all-zero group: scale 0
+    rows, slots = np.array([0, 2], np.int64), np.array([4, 1], np.int64)
+    rotate = kind != "f16"
+    _, _, dq, ds = _ring(kind, cap, nkv, hd)
+    ring = gkv.ring_arrays(kind, dq, ds)
+    gkv.kv_store(kind, cuda.to_device(x), ring, cuda.to_device(rows), cuda.to_device(slots), rotate)
+    xr = hadamard(x[rows]) if rotate else x[rows]
+    if kind == "f16":
+        np.testing.assert_array_equal(dq.copy_to_host()[slots], xr.astype(np.float16).view(np.uint16))
+    else:
+        qref, sref = quantize(kind, xr)
+        np.testing.assert_array_equal(dq.copy_to_host()[slots], qref.view(np.uint8))
+        np.testing.assert_array_equal(ds.copy_to_host()[slots], sref.view(np.uint16))
+    back = gkv.kv_load(kind, ring, cuda.to_device(slots), nkv, hd, rotate).copy_to_host()
+    if kind == "f16":
+        ref = xr.astype(np.float16).astype(np.float32)
+    else:
+        ref = hadamard(kv_dequantize(kind, qref, sref))
+    np.testing.assert_allclose(back, ref, rtol=1e-5, atol=1e-6)
+    dpos = cuda.to_device(np.full(cap, -1, np.int64))
+    gkv.set_pos(dpos, cuda.to_device(slots), cuda.to_device(np.array([10, 11], np.int64)))
+    np.testing.assert_array_equal(dpos.copy_to_host(), [-1, 11, -1, -1, 10])
+
+
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+def test_kv_attention_matches_cpu_kernel(kind):
+    """A wrapped ring (empty slots, sinks scored with q_sink, a window) plus fresh keys, GQA,
+    several queries: the same numbers as kernels_cpu.kvquant.kv_attention."""
+    rng = np.random.default_rng(3)
+    cap, nkv, nh, hd, n = 8, 1, 2, 32, 2
+    qk, ks, dq_k, ds_k = _ring(kind, cap, nkv, hd)
+    qv, vs, dq_v, ds_v = _ring(kind, cap, nkv, hd)
+    kx = rng.standard_normal((cap, nkv, hd)).astype(np.float32)
+    vx = rng.standard_normal((cap, nkv, hd)).astype(np.float32)
+    slots = np.arange(cap, dtype=np.int64)
+    ckv.kv_store(kind, kx, qk, ks, slots, kind != "f16")
+    ckv.kv_store(kind, vx, qv, vs, slots, False)
+    pos = np.array([0, 1, 12, 13, 9, 10, 11, -1], np.int64)  # 2 sinks, a wrapped window, one empty slot
+    q = rng.standard_normal((n, nh, hd)).astype(np.float32)
+    q_sink = rng.standard_normal((n, nh, hd)).astype(np.float32)
+    q_pos = np.array([14, 15], np.int64)
+    fk = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    fv = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    for window, fresh in ((5, True), (0, False)):
+        f = (fk, fv, q_pos) if fresh else (None, None, None)
+        ref = ckv.kv_attention(kind, q, q_sink, q_pos, qk, ks if kind != "f16" else None, qv,
+                               vs if kind != "f16" else None, pos, 2, *f, 0.3, window, False)
+        up = lambda a: cuda.to_device(np.ascontiguousarray(a))  # noqa: E731
+        dk = gkv.ring_arrays(kind, up(qk.view(np.uint16) if kind == "f16" else qk.view(np.uint8)), up(ks.view(np.uint16)))
+        dv = gkv.ring_arrays(kind, up(qv.view(np.uint16) if kind == "f16" else qv.view(np.uint8)), up(vs.view(np.uint16)))
+        ffk = fk if fresh else np.zeros((0, nkv, hd), np.float32)
+        ffv = fv if fresh else np.zeros((0, nkv, hd), np.float32)
+        ffp = q_pos if fresh else np.zeros(0, np.int64)
+        got = gkv.kv_attention(kind, up(q), up(q_sink), up(q_pos), dk, dv, up(pos), cap, 2, up(ffk), up(ffv), up(ffp),
+                               0.3, window).copy_to_host()
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_hadamard_matches_numpy():
+    x = np.random.default_rng(4).standard_normal((3, 96)).astype(np.float32)  # blocks of 32
+    dx = cuda.to_device(x)
+    gkv.hadamard_(dx)
+    np.testing.assert_allclose(dx.copy_to_host(), hadamard(x), rtol=1e-5, atol=1e-6)
