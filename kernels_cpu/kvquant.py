@@ -331,6 +331,7 @@ def _check_kind(kind: str, hd: int) -> None:
 
 _NO_H = np.zeros((0, 0, 0), np.uint16)
 _NO_B = np.zeros((0, 0, 0), np.int8)
+_NO_SB = np.zeros((0, 0), np.float32)
 
 
 def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -416,10 +417,10 @@ def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: n
 
 @njit(**_KERNEL)
 def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-                i0, i1, g, j0, j1, n_ring, acc, m, l):
+                i0, i1, g, j0, j1, n_ring, X, acc, m, l):
     """Attend queries i0:i1 of kv head g's query heads to keys j0:j1 of the joined index
-    space (ring slots 0:n_ring, then fresh keys), updating acc (rows, hd), m, l (rows,) with
-    rows ordered (query, head in group); acc is in kernel order."""
+    space (ring slots 0:n_ring, then the exact recent slots rk/rv, then fresh keys), updating
+    acc (rows, hd), m, l (rows,) with rows ordered (query, head in group); acc is in kernel order."""
     n_head, hd = q.shape[1], q.shape[2]
     grp = n_head // fk.shape[1]
     rows = (i1 - i0) * grp
@@ -431,6 +432,9 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
     # the block's queries in kernel order with the softmax scale folded in; q_sink's too
     # when the keys include sink slots
     has_sink = j0 < min(n_sink, n_ring)
+    rk, rv, rpos, recent, exact_lo, fresh_all, sb = X
+    has_sb = sb.shape[0] > 0
+    n_res = rpos.shape[0]
     qb = np.empty((rows, hd), np.float32)  # (rows, hd)
     qs = np.empty((rows if has_sink else 0, hd), np.float32)
     for i in range(i0, i1):
@@ -448,24 +452,35 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
         qmax = max(qmax, q_pos[i])
     j = j0
     while j < j1:
-        ring = j < n_ring
-        t0 = j if ring else j - n_ring
-        nt = min(tile, (min(j1, n_ring) if ring else j1) - j)
+        # source of this tile: 0 the quantized ring, 1 the exact recent slots, 2 fresh keys
+        if j < n_ring:
+            src, t0, end = 0, j, min(j1, n_ring)
+        elif j < n_ring + n_res:
+            src, t0, end = 1, j - n_ring, min(j1, n_ring + n_res)
+        else:
+            src, t0, end = 2, j - n_ring - n_res, j1
+        nt = min(tile, end - j)
         j += nt
-        n_sink_t = max(0, min(nt, n_sink - t0)) if ring else 0  # sink slots in this tile
+        n_sink_t = max(0, min(nt, n_sink - t0)) if src == 0 else 0  # sink slots in this tile
         # skip tiles no query of the block sees (empty, future, outside the window)
         anyv = False
         for jj in range(nt):
-            kp = pos[t0 + jj] if ring else fpos[t0 + jj]
+            kp = pos[t0 + jj] if src == 0 else (rpos[t0 + jj] if src == 1 else fpos[t0 + jj])
             if kp >= 0 and kp <= qmax and (window == 0 or jj < n_sink_t or qmin - kp < window):
                 anyv = True
                 break
         if not anyv:
             continue
-        if ring:
+        if src == 0:
             # empty slots of the tile are dequantized too (hidden keys never reach the sums)
             _deq_rows(kind, kh, kb, ks, t0, nt, g, kt)
             _deq_rows(kind, vh, vb, vs, t0, nt, g, vt)
+        elif src == 1:
+            for jj in range(nt):
+                for c in range(hd):
+                    kt[jj, c] = _widen(rk[t0 + jj, g, perm[c]])
+                for c in range(hd):
+                    vt[jj, c] = _widen(rv[t0 + jj, g, perm[c]])
         else:
             for jj in range(nt):
                 for c in range(hd):
@@ -476,10 +491,18 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
             qp = q_pos[i]
             nv = 0
             for jj in range(nt):
-                kp = pos[t0 + jj] if ring else fpos[t0 + jj]
+                kp = pos[t0 + jj] if src == 0 else (rpos[t0 + jj] if src == 1 else fpos[t0 + jj])
                 # sinks sit just before the window (StreamingLLM): causal, never windowed
-                ok[jj] = kp >= 0 and kp <= qp and (window == 0 or jj < n_sink_t or qp - kp < window)
-                nv += ok[jj]
+                vis = kp >= 0 and kp <= qp and (window == 0 or jj < n_sink_t or qp - kp < window)
+                # the last `recent` positions from exact_lo on are read from their exact copy
+                # (recent slots or fresh keys) and hidden in the quantized ring
+                exact = qp - kp < recent and kp >= exact_lo
+                if src == 0:
+                    vis = vis and not exact
+                elif src == 1 or not fresh_all:
+                    vis = vis and exact
+                ok[jj] = vis
+                nv += vis
             if nv == 0:
                 continue
             for hh in range(grp):
@@ -508,6 +531,8 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
                         if jj < n_sink_t:
                             for c in range(hd):
                                 s += qs[r, c] * kt[jj, c]
+                            if has_sb:  # sinks' share of the key offset (see kv_attention)
+                                s += sb[i, g * grp + hh] * scale
                         else:
                             for c in range(hd):
                                 s += qb[r, c] * kt[jj, c]
@@ -573,7 +598,7 @@ def _finish_row(src, scale_by, perm, v_rotated, B, out, i, h):
 
 @njit(inline="always", **_KERNEL)
 def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-               v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t):
+               v_rotated, B, n_ring, X, bq, n_split, out, pm, pl, pacc, t):
     n, n_head, hd = q.shape
     n_head_kv = fk.shape[1]
     grp = n_head // n_head_kv
@@ -585,7 +610,7 @@ def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, 
     qb = b // 2 if b % 2 == 0 else nqb - 1 - b // 2
     i0 = qb * bq
     i1 = min(n, i0 + bq)
-    n_all = n_ring + fk.shape[0]
+    n_all = n_ring + X[2].shape[0] + fk.shape[0]
     split_len = (n_all + n_split - 1) // n_split
     j0 = min(n_all, s * split_len)
     j1 = min(n_all, j0 + split_len)
@@ -599,7 +624,7 @@ def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, 
         m[r] = _NEG
         l[r] = _F0
     _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-                i0, i1, g, j0, j1, n_ring, acc, m, l)
+                i0, i1, g, j0, j1, n_ring, X, acc, m, l)
     for i in range(i0, i1):
         for hh in range(grp):
             r = (i - i0) * grp + hh
@@ -615,7 +640,7 @@ def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, 
 
 @njit(parallel=True, **_KERNEL)
 def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, window, perm,
-               v_rotated, B, bq, par_min, split_min, threads, out):
+               v_rotated, B, X, bq, par_min, split_min, threads, out):
     # array expressions here would each become a parfor of their own (seconds of compile
     # time): only the task loop is parallel, everything else is written as loops
     n, n_head, hd = q.shape
@@ -626,7 +651,7 @@ def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, w
     n_ring = pos.shape[0]
     while n_ring > 0 and pos[n_ring - 1] < 0:
         n_ring -= 1
-    n_all = n_ring + fk.shape[0]
+    n_all = n_ring + X[2].shape[0] + fk.shape[0]
     tasks = ((n + bq - 1) // bq) * fk.shape[1]
     parallel = n * n_head * n_all * hd >= par_min and threads > 1
     # too few (query block, kv head) tasks for the threads: split the keys too, into a
@@ -644,11 +669,11 @@ def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, w
     if parallel:
         for t in prange(tasks * n_split):
             _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-                       v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t)
+                       v_rotated, B, n_ring, X, bq, n_split, out, pm, pl, pacc, t)
     else:  # the calling thread alone: no pool wake-up
         for t in range(tasks * n_split):
             _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-                       v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t)
+                       v_rotated, B, n_ring, X, bq, n_split, out, pm, pl, pacc, t)
     if n_split > 1:
         # merge the splits' partial softmaxes (max m, denominator l, unnormalized sum)
         row = np.empty(hd, np.float32)
@@ -688,6 +713,14 @@ def kv_attention(
     window: int,
     v_rotated: bool,
     out: np.ndarray | None = None,
+    *,
+    recent_k: np.ndarray | None = None,
+    recent_v: np.ndarray | None = None,
+    recent_pos: np.ndarray | None = None,
+    recent: int = 0,
+    exact_lo: int = 0,
+    fresh_all: bool = True,
+    sink_bias: np.ndarray | None = None,
 ) -> np.ndarray:
     """softmax(q K^T * scale + mask) V over the union of a ring (k, k_scale, v, v_scale of
     `kind`; pos (cap,) int64, -1 = empty) and fresh keys fresh_k, fresh_v (m, Hkv, hd)
@@ -699,7 +732,16 @@ def kv_attention(
     window and are scored with q_sink (n, H, hd) instead of q (None = q). q, q_sink and
     fresh_k must be in the ring's key space (Hadamard-rotated when keys are), fresh_v in
     its value space; v_rotated un-rotates the output. A query that sees no key gets zeros.
-    Returns out (n, H, hd) float32."""
+
+    Exact recent keys (KIVI's residual): a key at position p with q_pos[i] - p < recent and
+    p >= exact_lo is read, for query i, from its exact copy instead of the ring: the ring
+    slot is hidden and the copy is taken from recent_k, recent_v (r, Hkv, hd) float16 at
+    recent_pos (r,) int64 (-1 = empty; in key space like fresh_k) or from the fresh keys.
+    The caller guarantees every such position has exactly one copy there. Recent slots are
+    seen only under that rule; fresh keys under it too unless fresh_all (then always: the
+    batch is not in the ring yet). sink_bias (n, H) float32, when given, is added (times
+    scale) to every sink score: the part of a key offset subtracted before storing that
+    q_sink does not share with q. Returns out (n, H, hd) float32."""
     if q.dtype != np.float32 or q.ndim != 3 or not q.flags.c_contiguous:
         raise ValueError(f"kv_attention: q {q.dtype}{q.shape} must be float32 (n, n_head, hd), C-contiguous")
     n, n_head, hd = q.shape
@@ -727,6 +769,22 @@ def kv_attention(
         raise ValueError(f"kv_attention: fresh_v {fresh_v.shape} and fresh_pos must match fresh_k's {m} keys (fresh_pos int64)")
     if not 0 <= n_sink <= cap or window < 0:
         raise ValueError(f"kv_attention: n_sink={n_sink} must be in [0, {cap}], window={window} >= 0")
+    if recent_k is None and recent_v is None and recent_pos is None:
+        recent_k = recent_v = np.zeros((0, n_head_kv, hd), np.float16)
+        recent_pos = np.zeros(0, np.int64)
+    for a in (recent_k, recent_v):
+        if a is None or a.dtype != np.float16 or a.ndim != 3 or a.shape[1:] != (n_head_kv, hd) or not a.flags.c_contiguous:
+            got = "None" if a is None else f"{a.dtype}{a.shape}"
+            raise ValueError(f"kv_attention: recent_k, recent_v must be float16 (r, {n_head_kv}, {hd}), C-contiguous, not {got}")
+    r = recent_k.shape[0]
+    if recent_v.shape[0] != r or recent_pos is None or recent_pos.dtype != np.int64 or recent_pos.shape != (r,):
+        raise ValueError(f"kv_attention: recent_v {recent_v.shape} and recent_pos must match recent_k's {r} slots (recent_pos int64)")
+    if recent < 0:
+        raise ValueError(f"kv_attention: recent={recent} must be >= 0")
+    if sink_bias is None:
+        sink_bias = _NO_SB
+    elif sink_bias.dtype != np.float32 or sink_bias.shape != (n, n_head) or not sink_bias.flags.c_contiguous:
+        raise ValueError(f"kv_attention: sink_bias {sink_bias.dtype}{sink_bias.shape} must be float32 ({n}, {n_head}), C-contiguous")
     if out is None:
         out = np.empty_like(q)
     elif out.dtype != np.float32 or out.shape != q.shape or not out.flags.c_contiguous:
@@ -735,5 +793,6 @@ def kv_attention(
         return out
     _attn_core(_KIND_ID[kind], q, q_sink, q_pos, K, V, pos, int(n_sink), fresh_k, fresh_v, fresh_pos,
                np.float32(scale), int(window), _perm(kind, hd), bool(v_rotated), hadamard_block(hd),
-               min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
+               (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, int(recent), int(exact_lo),
+                bool(fresh_all), sink_bias), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
     return out
