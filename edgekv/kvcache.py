@@ -37,6 +37,7 @@ KV_KINDS = ("f16", "int8", "int4")
 # Bytes per cached value, scales included.
 KV_BYTES_PER_VALUE = {"f16": 2.0, "int8": (GROUP + 2) / GROUP, "int4": (GROUP // 2 + 2) / GROUP}
 QMAX = {"int8": 127, "int4": 7}
+RECENT = 32  # tokens per layer kept exact (f16) beside an int ring (KIVI's residual)
 
 
 def kv_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) -> int:
@@ -97,7 +98,8 @@ def dequantize(kind: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 @dataclass
 class LayerKV:
-    """One layer's ring. Attention reads slots where pos >= 0."""
+    """One layer's ring. Attention reads slots where pos >= 0. Int kinds also keep the last
+    `recent` tokens exact (rk, rv, rpos): see `exact_lo`."""
 
     kind: str  # "f16" | "int8" | "int4"
     k: np.ndarray  # f16 (cap, Hkv, hd) | int8 (cap, Hkv, hd) | uint8 (cap, Hkv, hd/2); int keys Hadamard-rotated
@@ -108,6 +110,41 @@ class LayerKV:
     n_sink: int  # slots 0..n_sink-1 keep the first tokens forever
     window: int  # the model's sliding window for this layer (0 = global)
     n_written: int = 0  # tokens ever written (the ring's write cursor)
+    recent: int = 0  # the last `recent` positions before a query are read exact (0 = off)
+    rk: np.ndarray | None = None  # f16 (recent, Hkv, hd) exact copies of the latest keys, in stored key space
+    rv: np.ndarray | None = None  # f16 (recent, Hkv, hd) and values; slot = pos % recent
+    rpos: np.ndarray | None = None  # (recent,) int64, -1 = empty
+    mu: np.ndarray | None = None  # float32 (Hkv, hd) key offset subtracted before storing (int kinds)
+
+    def __post_init__(self):
+        hd = self.v.shape[2] * (2 if self.kind == "int4" else 1)
+        if self.rk is None:
+            shape = (self.recent, self.k.shape[1], hd)
+            self.rk, self.rv = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+            self.rpos = np.full(self.recent, -1, np.int64)
+        if self.mu is None:
+            self.mu = np.zeros((self.k.shape[1], hd), np.float32)
+
+    def set_offset(self, k: np.ndarray) -> None:
+        """The first batch written to an empty int ring sets mu to its mean key (without the
+        first token, often a sink and far from the rest; see the module doc)."""
+        if self.rotated and self.n_written == 0:
+            self.mu[...] = k[1:].mean(axis=0) if len(k) > 1 else k[0]
+
+    def key_space(self, k: np.ndarray) -> np.ndarray:
+        """k (n, Hkv, hd) float32 after RoPE -> the keys as the ring stores them: for int kinds
+        H(k - mu)."""
+        if not self.rotated:
+            return k
+        self.set_offset(k)
+        return hadamard(k - self.mu)
+
+    def sink_bias(self, q: np.ndarray, q_sink: np.ndarray) -> np.ndarray:
+        """(n, H) float32: what sink scores must add back, (q_sink - q) . mu. Keys are stored
+        as k - mu, which takes q . mu off every score, a constant per query that softmax
+        ignores, except that sinks are scored with q_sink and lose q_sink . mu instead."""
+        grp = q.shape[1] // self.mu.shape[0]
+        return np.einsum("nhd,hd->nh", q_sink - q, np.repeat(self.mu, grp, axis=0)).astype(np.float32)
 
     @property
     def capacity(self) -> int:
@@ -153,14 +190,31 @@ class LayerKV:
         span. A longer batch can while it fits the free slots."""
         return n == 1 or min(self.n_written, self.capacity) + n <= self.capacity
 
+    def exact_lo(self, q_pos: np.ndarray) -> int:
+        """Oldest position with an exact copy for a batch at q_pos: the recent slots hold the
+        last tokens before the batch (positions run contiguously), the batch holds itself.
+        A query at p reads positions p - recent + 1 .. p from exact copies when >= this;
+        older ones (and any a trim cut out of the recent slots) from the quantized ring."""
+        live = self.rpos[self.rpos >= 0]
+        return int(live.min()) if len(live) else int(q_pos.min())
+
+    def write_recent(self, k_stored: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
+        """Keep the batch's last `recent` tokens exact: k_stored (n, Hkv, hd) in stored key
+        space (rotated), v as computed. Called after the batch has attended."""
+        if not self.recent:
+            return
+        t = slice(max(0, len(pos) - self.recent), len(pos))
+        slots = pos[t] % self.recent
+        self.rk[slots], self.rv[slots], self.rpos[slots] = k_stored[t], v[t], pos[t]
+
     def write(self, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
-        """Reference write: k, v (n, Hkv, hd) float32 as computed (keys after RoPE); pos (n,)."""
+        """Reference write: k (n, Hkv, hd) float32 from key_space, v as computed; pos (n,)."""
         sel, slots = self.last_writers(len(pos))
         k, v = k[sel], v[sel]
         if self.kind == "f16":
             self.k[slots], self.v[slots] = k, v
-        else:
-            self.k[slots], self.k_scale[slots] = quantize(self.kind, hadamard(k))
+        else:  # k arrives in stored key space (key_space)
+            self.k[slots], self.k_scale[slots] = quantize(self.kind, k)
             self.v[slots], self.v_scale[slots] = quantize(self.kind, v)
         self.pos[slots] = pos[sel]
         self.n_written += len(pos)
@@ -173,6 +227,7 @@ class LayerKV:
 
     def reset(self) -> None:
         self.pos[:] = -1
+        self.rpos[:] = -1
         self.n_written = 0
 
     def trim(self, n: int) -> bool:
@@ -181,15 +236,27 @@ class LayerKV:
         if self.n_written > self.capacity:
             return False
         self.pos[self.pos >= n] = -1
+        self.rpos[self.rpos >= n] = -1
         self.n_written = min(self.n_written, n)
         return True
 
     @property
-    def nbytes(self) -> int:
+    def ring_nbytes(self) -> int:
+        """Bytes of the ring: K, V and their scales, proportional to the capacity."""
         return self.k.nbytes + self.v.nbytes + (self.k_scale.nbytes + self.v_scale.nbytes if self.kind != "f16" else 0)
 
+    @property
+    def recent_nbytes(self) -> int:
+        """Bytes of the exact recent slots: a fixed amount per layer, whatever the capacity."""
+        return self.rk.nbytes + self.rv.nbytes
 
-def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: int, window: int) -> LayerKV:
+    @property
+    def nbytes(self) -> int:
+        return self.ring_nbytes + self.recent_nbytes
+
+
+def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: int, window: int,
+              recent: int | None = None) -> LayerKV:
     if kind not in KV_KINDS:
         raise EdgekvError(f"unknown KV cache type {kind!r} (choose {', '.join(KV_KINDS)})")
     shape = (capacity, n_head_kv, head_dim)
@@ -204,17 +271,21 @@ def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: i
         k, v = np.zeros((capacity, n_head_kv, width), dt), np.zeros((capacity, n_head_kv, width), dt)
         ks = np.zeros((capacity, n_head_kv, head_dim // GROUP), np.float16)
         vs = np.zeros_like(ks)
-    return LayerKV(kind, k, v, ks, vs, np.full(capacity, -1, np.int64), min(n_sink, capacity), window)
+    n_sink = min(n_sink, capacity)
+    # f16 is exact already. At most capacity - n_sink: a sink then is only ever read exact
+    # before the ring wraps, while its query needs no counter-rotation (sink_shift 0).
+    recent = 0 if kind == "f16" else min(RECENT if recent is None else recent, capacity - n_sink)
+    return LayerKV(kind, k, v, ks, vs, np.full(capacity, -1, np.int64), n_sink, window, recent=recent)
 
 
 class KVCache:
     """All layers' rings. Layer l keeps `capacities[l]` tokens; `windows[l]` is its sliding window."""
 
     def __init__(self, capacities: list[int], n_head_kv: int, head_dim: int, n_sink: int = 4,
-                 windows: list[int] | None = None, kind: str = "f16"):
+                 windows: list[int] | None = None, kind: str = "f16", recent: int | None = None):
         windows = windows or [0] * len(capacities)
         self.kind = kind
-        self.layers = [new_layer(kind, cap, n_head_kv, head_dim, 0 if w else n_sink, w)
+        self.layers = [new_layer(kind, cap, n_head_kv, head_dim, 0 if w else n_sink, w, recent)
                        for cap, w in zip(capacities, windows)]
 
     def __getitem__(self, layer: int) -> LayerKV:
@@ -235,3 +306,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(lk.nbytes for lk in self.layers)
+
+    @property
+    def recent_nbytes(self) -> int:
+        return sum(lk.recent_nbytes for lk in self.layers)
