@@ -202,6 +202,6 @@ class ChatSession:
 
 SESSION_MAGIC = b"EDGEKVS\x00"
 SESSION_FORMAT = "edgekv-session"
-SESSION_VERSION = 2  # 2: int scales, exact recent slots and the key offset mu saved too
+SESSION_VERSION = 2  # 2: int scales, exact recent slots, key offset and channel weights saved too
 # Every array of a layer's cache, in its stored dtype (LayerKV's fields).
-LAYER_ARRAYS = ("k", "v", "k_scale", "v_scale", "pos", "rk", "rv", "rpos", "mu")
+LAYER_ARRAYS = ("k", "v", "k_scale", "v_scale", "pos", "rk", "rv", "rpos", "mu", "kmul")

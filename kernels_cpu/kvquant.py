@@ -9,9 +9,11 @@ every row (one token, one head) is quantized in groups of 32 consecutive values:
         x ~ q * d, d = f16(max|x| / 127), q = round(x / d)
   int4: q (cap, Hkv, hd//2) uint8, scale (cap, Hkv, hd//32) float16      18 bytes / 32 values
         byte i holds value 2i (low nibble) and 2i+1 (high nibble) as q + 8, q in [-8, 7];
-        d = f16(x_m / -8) with x_m the value of largest magnitude (llama.cpp's q4_0; the
-        default: one more level than max|x| / 7, and lower attention error on real K/V in
-        bench/kv_attention.py --quality) or f16(max|x| / 7) ("absmax")
+        the step d by one of three rules: "fit" (the default) tries inverse steps
+        -8 / (f x_m), f = 0.75, 0.775, .., 1.1, x_m the value of largest magnitude, takes
+        each one's levels q with their least-squares step sum(xq) / sum(q^2), and keeps the
+        one of least squared error; "q4_0" is llama.cpp's d = f16(x_m / -8) (the f = 1
+        candidate, one more level than max|x| / 7); "absmax" d = f16(max|x| / 7)
 
 Quantization divides by the f16-rounded scale, the one a reader multiplies by, so the
 int8 error is at most d/2 per value. Keys of the int kinds are stored Hadamard-rotated
@@ -39,7 +41,8 @@ from .ops import _expf, _widen
 
 KINDS = ("f16", "int8", "int4")
 GROUP = 32  # values per f16 scale
-INT4_SCALES = ("absmax", "q4_0")
+INT4_SCALES = ("absmax", "q4_0", "fit")
+_INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
 
 # Work (n_query * n_head * n_slot * head_dim) from which attention runs on the thread pool;
 # below it waking the threads costs more than the work. Read at each call: tests patch these
@@ -210,7 +213,7 @@ def _deq_rows(kind, h, b, s, j0, nj, g, dst):
 
 
 @njit(inline="always", **_EXACT)
-def _quant_row(kind, x, ring, j, g, q4_0):
+def _quant_row(kind, x, ring, j, g, rule):
     """Quantize x (hd,) float32, in original order, into row (slot j, kv head g) of ring."""
     h, b, s = ring
     if kind == _F16:
@@ -235,7 +238,36 @@ def _quant_row(kind, x, ring, j, g, q4_0):
                 if abs(x[c]) > amax:
                     amax = abs(x[c])
                     smax = x[c]
-            hs = _narrow(smax / np.float32(-8.0) if q4_0 else amax / np.float32(7.0))
+            if rule == _INT4_FIT:
+                # candidates inv = -8 / (f x_m), f = 0.75, 0.775, .., 1.1; each gives levels q
+                # and the least-squares d = sum(xq) / sum(q^2); keep the one of least squared
+                # error, i.e. largest sum(xq)^2 / sum(q^2). The sums are exact in float64
+                # (32 products of a float32 and a small integer), so any order gives the
+                # same bytes as the numpy quantizer.
+                best = -1.0
+                best_inv = 0.0
+                best_d = 0.0
+                for ci in range(15):
+                    cinv = -8.0 / (np.float64(smax) * (0.75 + 0.025 * ci)) if smax != _F0 else 0.0
+                    sxq = 0.0
+                    sqq = 0.0
+                    for c in range(32 * gi, 32 * gi + 32):
+                        qv = min(max(np.rint(np.float64(x[c]) * cinv), -8.0), 7.0)
+                        sxq += np.float64(x[c]) * qv
+                        sqq += qv * qv
+                    score = sxq * sxq / sqq if sqq > 0.0 else 0.0
+                    if score > best:
+                        best = score
+                        best_inv = cinv
+                        best_d = sxq / sqq if sqq > 0.0 else 0.0
+                hs = _narrow(np.float32(best_d))
+                s[j, g, gi] = hs
+                for i in range(16):
+                    lo = min(max(np.rint(np.float64(x[32 * gi + 2 * i]) * best_inv), -8.0), 7.0)
+                    hi = min(max(np.rint(np.float64(x[32 * gi + 2 * i + 1]) * best_inv), -8.0), 7.0)
+                    b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
+                continue
+            hs = _narrow(smax / np.float32(-8.0) if rule == _INT4_Q4_0 else amax / np.float32(7.0))
             s[j, g, gi] = hs
             d = _widen(hs)
             inv = _F1 / d if d != _F0 else _F0
@@ -281,7 +313,7 @@ def hadamard_(x: np.ndarray) -> np.ndarray:
 
 
 @njit(**_EXACT)
-def _store_core(kind, x, ring, slots, rotate, B, q4_0):
+def _store_core(kind, x, ring, slots, rotate, B, rule):
     n, n_head_kv, hd = x.shape
     buf = np.empty(hd, np.float32)
     for t in range(n):
@@ -290,7 +322,7 @@ def _store_core(kind, x, ring, slots, rotate, B, q4_0):
                 buf[c] = x[t, g, c]
             if rotate:
                 _fwht(buf, B)
-            _quant_row(kind, buf, ring, slots[t], g, q4_0)
+            _quant_row(kind, buf, ring, slots[t], g, rule)
 
 
 @njit(**_KERNEL)
@@ -365,14 +397,14 @@ def kv_store(
     slots: np.ndarray,
     rotate: bool,
     *,
-    int4_scale: str = "q4_0",
+    int4_scale: str = "fit",
 ) -> None:
     """Quantize x (n, Hkv, hd) float32 into ring slots (n,) int64 (distinct) of q_arr /
     scale_arr (see the module doc for layouts), Hadamard-rotating each row first when
     rotate (x itself is not changed). The f16 kind ignores scale_arr (pass anything, or
-    None) and rounds x to half. int4_scale picks the int4 scale rule: "absmax" is
-    d = max|x| / 7, "q4_0" llama.cpp's d = (value of largest magnitude) / -8. Writing the
-    slots' positions is the caller's job."""
+    None) and rounds x to half. int4_scale picks the int4 scale rule (module doc): "fit"
+    (fitted step, the cache's), "q4_0" (llama.cpp's), "absmax". Writing the slots'
+    positions is the caller's job."""
     if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
         raise ValueError(f"kv_store: x {x.dtype}{x.shape} must be float32 (n, n_head_kv, hd), C-contiguous")
     n, n_head_kv, hd = x.shape
@@ -388,7 +420,7 @@ def kv_store(
     if int4_scale not in INT4_SCALES:
         raise ValueError(f"kv_store: int4_scale {int4_scale!r} must be one of {INT4_SCALES}")
     if n:
-        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd), int4_scale == "q4_0")
+        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd), INT4_SCALES.index(int4_scale))
 
 
 def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: np.ndarray, rotate: bool) -> np.ndarray:

@@ -23,13 +23,15 @@ def test_ring_slots_keep_sinks_and_overwrite_oldest():
 def test_batch_longer_than_ring_keeps_last_writers():
     lk = new_layer("int8", 8, 2, 32, n_sink=2, window=0)
     k = np.random.default_rng(0).standard_normal((20, 2, 32)).astype(np.float32)
+    lk.calibrate(np.random.default_rng(1).standard_normal((20, 4, 32)).astype(np.float32), k)
     lk.write(lk.key_space(k), k, np.arange(20))
     assert list(lk.pos[:2]) == [0, 1] and sorted(lk.pos[2:]) == list(range(14, 20))
     kk, _ = lk.read()
     j = int(np.where(lk.pos == 17)[0][0])
-    # stored rotated, less the offset mu: un-rotates to the input
-    np.testing.assert_allclose(hadamard(kk[j]) + lk.mu, k[17], atol=0.05)
-    np.testing.assert_allclose(lk.mu, k[1:].mean(0), atol=1e-6)
+    # stored rotated, less the offset mu, times the channel weights: un-rotates to the input
+    np.testing.assert_allclose(hadamard(kk[j]) / lk.kmul + lk.mu, k[17], atol=0.05)
+    np.testing.assert_allclose(lk.mu, k.mean(0), atol=1e-6)
+    assert np.all(lk.kmul > 0) and np.allclose(np.log(lk.kmul).mean(-1), 0, atol=1e-5)
 
 
 def test_trim_rolls_back_before_wrap():

@@ -120,15 +120,15 @@ class CPUBackend:
             q_sink = self.ops.rope(q.copy(), -shift, base, neox, n_rot, rscale)
             if kv.rotated:
                 sink_bias = kv.sink_bias(q, q_sink)
-        if kv.rotated:
-            q = kq.hadamard_(q.copy())
-            if q_sink is not None:
-                kq.hadamard_(q_sink)
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
-        if kv.rotated:  # H(k - mu), as LayerKV.key_space (kernel Hadamard)
-            kv.set_offset(k)
-            k_stored = kq.hadamard_(k - kv.mu)
+        if kv.rotated:  # LayerKV.query_space / key_space, with the kernel's Hadamard
+            kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
+            qmul = np.repeat(kv.kmul, q.shape[1] // kv.kmul.shape[0], axis=0)  # (H, hd)
+            q = kq.hadamard_(q / qmul)
+            if q_sink is not None:
+                q_sink = kq.hadamard_(q_sink / qmul)
+            k_stored = kq.hadamard_((k - kv.mu) * kv.kmul)
         else:
             k_stored = k  # (n, Hkv, hd) as the ring stores keys
         e0 = kv.exact_lo(q_pos)  # before this batch lands in the recent slots

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from ..gguf_file import Tensor
-from ..kvcache import LayerKV, hadamard
+from ..kvcache import LayerKV
 
 
 def dequantize_tensor(t: Tensor) -> np.ndarray:
@@ -76,6 +76,7 @@ class ReferenceBackend:
 
     def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple) -> np.ndarray:
         n, H, hd = q.shape
+        kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
         k_stored = kv.key_space(k)  # (n, Hkv, hd) as the ring stores keys
         e0 = kv.exact_lo(q_pos)  # before this batch lands in the recent slots
         first = kv.write_first(n)
@@ -95,8 +96,7 @@ class ReferenceBackend:
         base, neox, n_rot, rscale = rope
         q_sink = self.rope(q, -kv.sink_shift(q_pos), base, neox, n_rot, rscale)  # sinks just before the window
         sink_bias = kv.sink_bias(q, q_sink).T[:, :, None]  # (H, n, 1)
-        if kv.rotated:
-            q, q_sink = hadamard(q), hadamard(q_sink)
+        q, q_sink = kv.query_space(q), kv.query_space(q_sink)
         group = H // keys.shape[1]  # query head h reads kv head h // group
         keys = np.repeat(keys, group, axis=1)  # (T, H, hd)
         vals = np.repeat(vals, group, axis=1)
