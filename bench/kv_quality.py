@@ -3,6 +3,7 @@ cache, for edgekv and (when llama-cpp-python is importable) llama.cpp's q8_0/q4_
 the same tokens in the same run; plus the streaming test (a text 4x the ring, sinks on/off).
 
     python bench/kv_quality.py [--tokens 4096] [--ctx 512] [--models smollm2,gemma3] [--stream 512]
+    /work/llvenv/bin/python bench/kv_quality.py --llamacpp-only   # then --llamacpp-json bench/kv_quality_llamacpp.json
 """
 from __future__ import annotations
 
@@ -58,7 +59,19 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--stream", type=int, default=512, help="ring size for the streaming test (0 = skip)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--llamacpp-only", action="store_true", help="only llama.cpp's caches (print JSON)")
+    ap.add_argument("--llamacpp-json", help="llama.cpp results from a --llamacpp-only run, instead of measuring")
     args = ap.parse_args()
+    if args.llamacpp_only:  # llama.cpp in its own run (e.g. another venv): same ids, same windows
+        res = {}
+        for key in args.models.split(","):
+            path = resolve(MODELS[key])
+            ids = LLM(path, n_ctx=args.ctx).tokenize(TEXT.read_text(), special=False)[: args.tokens]
+            res[key] = llamacpp_kl(path, ids, args.ctx)
+            print(json.dumps({key: res[key]}), flush=True)
+        Path(__file__).with_name("kv_quality_llamacpp.json").write_text(json.dumps(res, indent=2))
+        return
+    given = json.loads(Path(args.llamacpp_json).read_text()) if args.llamacpp_json else {}
     text = TEXT.read_text()
     report = {}
     for key in args.models.split(","):
@@ -68,7 +81,7 @@ def main() -> None:
         t = time.time()
         r = dict(tokens=len(ids), n_ctx=args.ctx)
         r["edgekv"] = perplexity(llm, ids, n_ctx=args.ctx, kinds=("f16", "int8", "int4"), kl_base="f16")
-        r["llama.cpp"] = llamacpp_kl(path, ids, args.ctx)
+        r["llama.cpp"] = given[key] if key in given else llamacpp_kl(path, ids, args.ctx)
         if args.stream:
             # Perplexity inside one ring vs far past it (4x), sinks on and off.
             s = LLM(path, n_ctx=args.stream, threads=args.threads)

@@ -55,6 +55,7 @@ KV_KINDS = ("f16", "int8", "int4")
 KV_BYTES_PER_VALUE = {"f16": 2.0, "int8": (GROUP + 2) / GROUP, "int4": (GROUP // 2 + 2) / GROUP}
 QMAX = {"int8": 127, "int4": 7}
 RECENT = 32  # tokens per layer kept exact (f16) beside an int ring (KIVI's residual)
+FIRST = 4  # and the first tokens (the attention sinks: the keys most attended to)
 
 
 def kv_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) -> int:
@@ -64,9 +65,9 @@ def kv_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) ->
 
 
 def recent_bytes(kind: str, n_layer: int, n_head_kv: int, head_dim: int) -> int:
-    """Fixed bytes of the exact recent slots of an int cache: RECENT f16 tokens (K and V) per
-    layer, whatever the capacity (less for a ring too small to hold them)."""
-    return 0 if kind == "f16" else n_layer * RECENT * 2 * n_head_kv * head_dim * 2
+    """Fixed bytes of the exact slots of an int cache: FIRST + RECENT f16 tokens (K and V)
+    per layer, whatever the capacity (default sinks; less for a ring too small to hold them)."""
+    return 0 if kind == "f16" else n_layer * (FIRST + RECENT) * 2 * n_head_kv * head_dim * 2
 
 
 # -- the numpy reference of the stored layout ----------------------------------------------
@@ -159,18 +160,19 @@ class LayerKV:
     window: int  # the model's sliding window for this layer (0 = global)
     n_written: int = 0  # tokens ever written (the ring's write cursor)
     recent: int = 0  # the last `recent` positions before a query are read exact (0 = off)
-    rk: np.ndarray | None = None  # f16 (recent, Hkv, hd) exact copies of the latest keys, in stored key space
-    rv: np.ndarray | None = None  # f16 (recent, Hkv, hd) and values; slot = pos % recent
-    rpos: np.ndarray | None = None  # (recent,) int64, -1 = empty
+    first: int = 0  # and so are positions 0..first-1 (the sinks among them)
+    rk: np.ndarray | None = None  # f16 (first + recent, Hkv, hd) exact keys, in stored key space:
+    rv: np.ndarray | None = None  # rows 0..first-1 positions 0..first-1, then row first + pos % recent
+    rpos: np.ndarray | None = None  # (first + recent,) int64, -1 = empty
     mu: np.ndarray | None = None  # float32 (Hkv, hd) key offset subtracted before storing (int kinds)
     kmul: np.ndarray | None = None  # float32 (Hkv, hd) channel weights: keys * kmul, queries / kmul
 
     def __post_init__(self):
         hd = self.v.shape[2] * (2 if self.kind == "int4" else 1)
         if self.rk is None:
-            shape = (self.recent, self.k.shape[1], hd)
+            shape = (self.first + self.recent, self.k.shape[1], hd)
             self.rk, self.rv = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
-            self.rpos = np.full(self.recent, -1, np.int64)
+            self.rpos = np.full(shape[0], -1, np.int64)
         if self.mu is None:
             self.mu = np.zeros((self.k.shape[1], hd), np.float32)
         if self.kmul is None:
@@ -265,7 +267,7 @@ class LayerKV:
         last tokens before the batch (positions run contiguously), the batch holds itself.
         A query at p reads positions p - recent + 1 .. p from exact copies when >= this;
         older ones (and any a trim cut out of the recent slots) from the quantized ring."""
-        live = self.rpos[self.rpos >= 0]
+        live = self.rpos[self.first:][self.rpos[self.first:] >= 0]
         return int(live.min()) if len(live) else int(q_pos.min())
 
     def write_recent(self, k_stored: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
@@ -273,8 +275,10 @@ class LayerKV:
         space (rotated), v as computed. Called after the batch has attended."""
         if not self.recent:
             return
-        t = slice(max(0, len(pos) - self.recent), len(pos))
-        slots = pos[t] % self.recent
+        head = pos < self.first  # the first tokens keep rows of their own, for good
+        self.rk[pos[head]], self.rv[pos[head]], self.rpos[pos[head]] = k_stored[head], v[head], pos[head]
+        t = np.flatnonzero(~head)[-self.recent:]
+        slots = self.first + pos[t] % self.recent
         self.rk[slots], self.rv[slots], self.rpos[slots] = k_stored[t], v[t], pos[t]
 
     def write(self, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
@@ -345,7 +349,8 @@ def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: i
     # f16 is exact already. At most capacity - n_sink: a sink then is only ever read exact
     # before the ring wraps, while its query needs no counter-rotation (sink_shift 0).
     recent = 0 if kind == "f16" else min(RECENT if recent is None else recent, capacity - n_sink)
-    return LayerKV(kind, k, v, ks, vs, np.full(capacity, -1, np.int64), n_sink, window, recent=recent)
+    first = max(n_sink, FIRST) if recent else 0
+    return LayerKV(kind, k, v, ks, vs, np.full(capacity, -1, np.int64), n_sink, window, recent=recent, first=first)
 
 
 class KVCache:

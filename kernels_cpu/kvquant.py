@@ -463,8 +463,10 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
     ok = np.empty(tile, np.bool_)
     # the block's queries in kernel order with the softmax scale folded in; q_sink's too
     # when the keys include sink slots
-    has_sink = j0 < min(n_sink, n_ring)
-    rk, rv, rpos, recent, exact_lo, fresh_all, sb = X
+    # sinks: ring slots 0:n_sink, and the exact copies of their positions (recent slots
+    # 0:n_sink, fresh keys at positions < n_sink)
+    has_sink = n_sink > 0
+    rk, rv, rpos, recent, exact_lo, fresh_all, sb, n_first = X
     has_sb = sb.shape[0] > 0
     n_res = rpos.shape[0]
     qb = np.empty((rows, hd), np.float32)  # (rows, hd)
@@ -493,7 +495,10 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
             src, t0, end = 2, j - n_ring - n_res, j1
         nt = min(tile, end - j)
         j += nt
-        n_sink_t = max(0, min(nt, n_sink - t0)) if src == 0 else 0  # sink slots in this tile
+        n_sink_t = max(0, min(nt, n_sink - t0)) if src != 2 else 0  # sink slots in this tile
+        if src == 2:  # fresh keys (ascending positions) at sink positions: the first batch's
+            while n_sink_t < nt and 0 <= fpos[t0 + n_sink_t] < n_sink:
+                n_sink_t += 1
         # skip tiles no query of the block sees (empty, future, outside the window)
         anyv = False
         for jj in range(nt):
@@ -526,9 +531,10 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
                 kp = pos[t0 + jj] if src == 0 else (rpos[t0 + jj] if src == 1 else fpos[t0 + jj])
                 # sinks sit just before the window (StreamingLLM): causal, never windowed
                 vis = kp >= 0 and kp <= qp and (window == 0 or jj < n_sink_t or qp - kp < window)
-                # the last `recent` positions from exact_lo on are read from their exact copy
-                # (recent slots or fresh keys) and hidden in the quantized ring
-                exact = qp - kp < recent and kp >= exact_lo
+                # the first n_first positions, and the last `recent` ones from exact_lo on,
+                # are read from their exact copy (recent slots or fresh keys) and hidden in
+                # the quantized ring
+                exact = (qp - kp < recent and kp >= exact_lo) or kp < n_first
                 if src == 0:
                     vis = vis and not exact
                 elif src == 1 or not fresh_all:
@@ -751,6 +757,7 @@ def kv_attention(
     recent_pos: np.ndarray | None = None,
     recent: int = 0,
     exact_lo: int = 0,
+    first: int = 0,
     fresh_all: bool = True,
     sink_bias: np.ndarray | None = None,
 ) -> np.ndarray:
@@ -765,10 +772,13 @@ def kv_attention(
     fresh_k must be in the ring's key space (Hadamard-rotated when keys are), fresh_v in
     its value space; v_rotated un-rotates the output. A query that sees no key gets zeros.
 
-    Exact recent keys (KIVI's residual): a key at position p with q_pos[i] - p < recent and
-    p >= exact_lo is read, for query i, from its exact copy instead of the ring: the ring
-    slot is hidden and the copy is taken from recent_k, recent_v (r, Hkv, hd) float16 at
-    recent_pos (r,) int64 (-1 = empty; in key space like fresh_k) or from the fresh keys.
+    Exact keys (KIVI's residual, and the first tokens): a key at position p < first, or
+    with q_pos[i] - p < recent and p >= exact_lo, is read, for query i, from its exact copy
+    instead of the ring: the ring slot is hidden and the copy is taken from recent_k,
+    recent_v (r, Hkv, hd) float16 at recent_pos (r,) int64 (-1 = empty; in key space like
+    fresh_k) or from the fresh keys. Recent slots j < n_sink hold the sinks' copies (position
+    j) and are scored as sinks, as are fresh keys at positions < n_sink (fresh keys come in
+    ascending positions).
     The caller guarantees every such position has exactly one copy there. Recent slots are
     seen only under that rule; fresh keys under it too unless fresh_all (then always: the
     batch is not in the ring yet). sink_bias (n, H) float32, when given, is added (times
@@ -811,8 +821,8 @@ def kv_attention(
     r = recent_k.shape[0]
     if recent_v.shape[0] != r or recent_pos is None or recent_pos.dtype != np.int64 or recent_pos.shape != (r,):
         raise ValueError(f"kv_attention: recent_v {recent_v.shape} and recent_pos must match recent_k's {r} slots (recent_pos int64)")
-    if recent < 0:
-        raise ValueError(f"kv_attention: recent={recent} must be >= 0")
+    if recent < 0 or first < 0:
+        raise ValueError(f"kv_attention: recent={recent}, first={first} must be >= 0")
     if sink_bias is None:
         sink_bias = _NO_SB
     elif sink_bias.dtype != np.float32 or sink_bias.shape != (n, n_head) or not sink_bias.flags.c_contiguous:
@@ -826,5 +836,5 @@ def kv_attention(
     _attn_core(_KIND_ID[kind], q, q_sink, q_pos, K, V, pos, int(n_sink), fresh_k, fresh_v, fresh_pos,
                np.float32(scale), int(window), _perm(kind, hd), bool(v_rotated), hadamard_block(hd),
                (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, int(recent), int(exact_lo),
-                bool(fresh_all), sink_bias), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
+                bool(fresh_all), sink_bias, int(first)), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
     return out

@@ -57,8 +57,8 @@ def test_quantized_layout_roundtrip_and_size(kind):
     ratio = q.ring_nbytes / f16.ring_nbytes  # per token, scales included
     assert ratio == pytest.approx(KV_BYTES_PER_VALUE[kind] / 2)
     assert ratio <= (0.55 if kind == "int8" else 0.30)
-    # plus a fixed 32 exact f16 tokens (K and V) per layer, whatever the capacity
-    assert f16.recent_nbytes == 0 and q.recent_nbytes == 32 * 3 * 64 * 2 * 2
+    # plus a fixed 4 + 32 exact f16 tokens (K and V) per layer, whatever the capacity
+    assert f16.recent_nbytes == 0 and q.recent_nbytes == (4 + 32) * 3 * 64 * 2 * 2
     assert q.nbytes == q.ring_nbytes + q.recent_nbytes
 
 

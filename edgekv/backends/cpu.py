@@ -140,7 +140,8 @@ class CPUBackend:
         out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
                               k_stored if fresh else None, v if fresh else None, q_pos if fresh else None,
                               scale, kv.span, False, recent_k=kv.rk, recent_v=kv.rv, recent_pos=kv.rpos,
-                              recent=kv.recent, exact_lo=e0, fresh_all=not first, sink_bias=sink_bias)
+                              recent=kv.recent, exact_lo=e0, first=kv.first, fresh_all=not first,
+                              sink_bias=sink_bias)
         if not first:  # attend over (ring, this batch), then store
             self._store(kv, k_stored, v, q_pos)
         kv.write_recent(k_stored, v, q_pos)

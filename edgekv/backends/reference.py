@@ -91,8 +91,10 @@ class ReferenceBackend:
         vals = np.concatenate([vv[live], kv.rv[rlive].astype(np.float32)] + ([v] if fresh else []))
         k_pos = np.concatenate([kv.pos[live], kv.rpos[rlive]] + ([q_pos] if fresh else []))
         src = np.repeat([0, 1, 2], [live.sum(), rlive.sum(), n if fresh else 0])
+        # sinks: ring slots 0..n_sink-1 and their exact copies (positions < n_sink)
         sink = np.zeros(len(k_pos), bool)
         sink[: live.sum()] = (np.arange(kv.capacity) < kv.n_sink)[live]
+        sink[live.sum():] = k_pos[live.sum():] < kv.n_sink
         base, neox, n_rot, rscale = rope
         q_sink = self.rope(q, -kv.sink_shift(q_pos), base, neox, n_rot, rscale)  # sinks just before the window
         sink_bias = kv.sink_bias(q, q_sink).T[:, :, None]  # (H, n, 1)
@@ -105,7 +107,7 @@ class ReferenceBackend:
         s = np.where(sink[None, None, :], s_sink, s) * np.float32(scale)
         dist = q_pos[:, None] - k_pos[None, :]  # (n, T)
         masked = (dist < 0) | ((dist >= kv.span) & ~sink[None, :])  # sinks: causal, but never out of span
-        exact = (dist < kv.recent) & (k_pos >= e0)[None, :]  # read from an exact copy
+        exact = ((dist < kv.recent) & (k_pos >= e0)[None, :]) | (k_pos < kv.first)[None, :]  # read from an exact copy
         masked |= np.where(src == 0, exact, ~exact & ((src == 1) | first))
         s = np.where(masked[None], -np.inf, s)
         s = s - s.max(axis=-1, keepdims=True)
