@@ -33,7 +33,7 @@ def cmd_list(args) -> int:
 def describe(path, n_ctx: int) -> list[tuple[str, str]]:
     """The facts `edgekv info` prints, as (label, value) rows."""
     from .gguf_file import GGUFFile
-    from .kvcache import KV_BYTES_PER_VALUE, kv_bytes
+    from .kvcache import KV_BYTES_PER_VALUE, RECENT, kv_bytes, recent_bytes
     from .models import model_module
     from .tokenizer import Tokenizer
 
@@ -77,6 +77,8 @@ def describe(path, n_ctx: int) -> list[tuple[str, str]]:
         saved = kv_bytes(k, full, cfg.n_head_kv, cfg.head_dim) - b
         note = f" (sliding-window rings save {saved / 2**20:.1f} MiB)" if saved else ""
         rows.append((f"KV cache @ {n_ctx}", f"{k}: {b / 2**20:.1f} MiB{note}"))
+    fixed = recent_bytes("int4", cfg.n_layer, cfg.n_head_kv, cfg.head_dim)
+    rows.append(("KV exact recent", f"int8/int4: + {fixed / 2**10:.0f} KiB fixed (the last {RECENT} tokens per layer in f16)"))
     return rows
 
 

@@ -121,7 +121,7 @@ class ChatSession:
                 sync(self.seq.cache)
             arrays = {}
             for i, lk in enumerate(self.seq.cache.layers):
-                arrays.update({f"k{i}": lk.k, f"v{i}": lk.v, f"pos{i}": lk.pos})
+                arrays.update({f"{name}{i}": getattr(lk, name) for name in LAYER_ARRAYS})
             body = io.BytesIO()
             np.savez(body, **arrays)
             blob = json.dumps(header).encode()
@@ -182,13 +182,16 @@ class ChatSession:
             if len(h["layers"]) != len(layers):
                 raise ValueError("layer count")
             for i, (lk, meta) in enumerate(zip(layers, h["layers"])):
-                k, v, pos = arrays[f"k{i}"], arrays[f"v{i}"], arrays[f"pos{i}"]
-                if k.shape != lk.k.shape or v.shape != lk.v.shape or pos.shape != lk.pos.shape \
-                        or k.dtype != lk.k.dtype or v.dtype != lk.v.dtype or pos.dtype != lk.pos.dtype:
-                    raise ValueError(f"layer {i} arrays do not fit this cache")
-                if pos.max(initial=-1) >= len(tokens) or int(meta["n_written"]) < 0:
+                got = {name: arrays[f"{name}{i}"] for name in LAYER_ARRAYS}
+                for name, a in got.items():
+                    want = getattr(lk, name)
+                    if a.shape != want.shape or a.dtype != want.dtype:
+                        raise ValueError(f"layer {i} array {name} does not fit this cache")
+                if max(got["pos"].max(initial=-1), got["rpos"].max(initial=-1)) >= len(tokens) \
+                        or int(meta["n_written"]) < 0:
                     raise ValueError(f"layer {i} positions")
-                lk.k[...], lk.v[...], lk.pos[...] = k, v, pos
+                for name, a in got.items():
+                    getattr(lk, name)[...] = a
                 lk.n_written = int(meta["n_written"])
             sess.seq.tokens = tokens
             cached = h.get("cached_text")
@@ -202,4 +205,6 @@ class ChatSession:
 
 SESSION_MAGIC = b"EDGEKVS\x00"
 SESSION_FORMAT = "edgekv-session"
-SESSION_VERSION = 1
+SESSION_VERSION = 2  # 2: int scales, exact recent slots, key offset and channel weights saved too
+# Every array of a layer's cache, in its stored dtype (LayerKV's fields).
+LAYER_ARRAYS = ("k", "v", "k_scale", "v_scale", "pos", "rk", "rv", "rpos", "mu", "kmul")

@@ -9,9 +9,11 @@ every row (one token, one head) is quantized in groups of 32 consecutive values:
         x ~ q * d, d = f16(max|x| / 127), q = round(x / d)
   int4: q (cap, Hkv, hd//2) uint8, scale (cap, Hkv, hd//32) float16      18 bytes / 32 values
         byte i holds value 2i (low nibble) and 2i+1 (high nibble) as q + 8, q in [-8, 7];
-        d = f16(x_m / -8) with x_m the value of largest magnitude (llama.cpp's q4_0; the
-        default: one more level than max|x| / 7, and lower attention error on real K/V in
-        bench/kv_attention.py --quality) or f16(max|x| / 7) ("absmax")
+        the step d by one of three rules: "fit" (the default) tries inverse steps
+        -8 / (f x_m), f = 0.75, 0.775, .., 1.1, x_m the value of largest magnitude, takes
+        each one's levels q with their least-squares step sum(xq) / sum(q^2), and keeps the
+        one of least squared error; "q4_0" is llama.cpp's d = f16(x_m / -8) (the f = 1
+        candidate, one more level than max|x| / 7); "absmax" d = f16(max|x| / 7)
 
 Quantization divides by the f16-rounded scale, the one a reader multiplies by, so the
 int8 error is at most d/2 per value. Keys of the int kinds are stored Hadamard-rotated
@@ -39,7 +41,8 @@ from .ops import _expf, _widen
 
 KINDS = ("f16", "int8", "int4")
 GROUP = 32  # values per f16 scale
-INT4_SCALES = ("absmax", "q4_0")
+INT4_SCALES = ("absmax", "q4_0", "fit")
+_INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
 
 # Work (n_query * n_head * n_slot * head_dim) from which attention runs on the thread pool;
 # below it waking the threads costs more than the work. Read at each call: tests patch these
@@ -210,7 +213,7 @@ def _deq_rows(kind, h, b, s, j0, nj, g, dst):
 
 
 @njit(inline="always", **_EXACT)
-def _quant_row(kind, x, ring, j, g, q4_0):
+def _quant_row(kind, x, ring, j, g, rule):
     """Quantize x (hd,) float32, in original order, into row (slot j, kv head g) of ring."""
     h, b, s = ring
     if kind == _F16:
@@ -235,7 +238,36 @@ def _quant_row(kind, x, ring, j, g, q4_0):
                 if abs(x[c]) > amax:
                     amax = abs(x[c])
                     smax = x[c]
-            hs = _narrow(smax / np.float32(-8.0) if q4_0 else amax / np.float32(7.0))
+            if rule == _INT4_FIT:
+                # candidates inv = -8 / (f x_m), f = 0.75, 0.775, .., 1.1; each gives levels q
+                # and the least-squares d = sum(xq) / sum(q^2); keep the one of least squared
+                # error, i.e. largest sum(xq)^2 / sum(q^2). The sums are exact in float64
+                # (32 products of a float32 and a small integer), so any order gives the
+                # same bytes as the numpy quantizer.
+                best = -1.0
+                best_inv = 0.0
+                best_d = 0.0
+                for ci in range(15):
+                    cinv = -8.0 / (np.float64(smax) * (0.75 + 0.025 * ci)) if smax != _F0 else 0.0
+                    sxq = 0.0
+                    sqq = 0.0
+                    for c in range(32 * gi, 32 * gi + 32):
+                        qv = min(max(np.rint(np.float64(x[c]) * cinv), -8.0), 7.0)
+                        sxq += np.float64(x[c]) * qv
+                        sqq += qv * qv
+                    score = sxq * sxq / sqq if sqq > 0.0 else 0.0
+                    if score > best:
+                        best = score
+                        best_inv = cinv
+                        best_d = sxq / sqq if sqq > 0.0 else 0.0
+                hs = _narrow(np.float32(best_d))
+                s[j, g, gi] = hs
+                for i in range(16):
+                    lo = min(max(np.rint(np.float64(x[32 * gi + 2 * i]) * best_inv), -8.0), 7.0)
+                    hi = min(max(np.rint(np.float64(x[32 * gi + 2 * i + 1]) * best_inv), -8.0), 7.0)
+                    b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
+                continue
+            hs = _narrow(smax / np.float32(-8.0) if rule == _INT4_Q4_0 else amax / np.float32(7.0))
             s[j, g, gi] = hs
             d = _widen(hs)
             inv = _F1 / d if d != _F0 else _F0
@@ -281,7 +313,7 @@ def hadamard_(x: np.ndarray) -> np.ndarray:
 
 
 @njit(**_EXACT)
-def _store_core(kind, x, ring, slots, rotate, B, q4_0):
+def _store_core(kind, x, ring, slots, rotate, B, rule):
     n, n_head_kv, hd = x.shape
     buf = np.empty(hd, np.float32)
     for t in range(n):
@@ -290,7 +322,7 @@ def _store_core(kind, x, ring, slots, rotate, B, q4_0):
                 buf[c] = x[t, g, c]
             if rotate:
                 _fwht(buf, B)
-            _quant_row(kind, buf, ring, slots[t], g, q4_0)
+            _quant_row(kind, buf, ring, slots[t], g, rule)
 
 
 @njit(**_KERNEL)
@@ -331,6 +363,7 @@ def _check_kind(kind: str, hd: int) -> None:
 
 _NO_H = np.zeros((0, 0, 0), np.uint16)
 _NO_B = np.zeros((0, 0, 0), np.int8)
+_NO_SB = np.zeros((0, 0), np.float32)
 
 
 def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -364,14 +397,14 @@ def kv_store(
     slots: np.ndarray,
     rotate: bool,
     *,
-    int4_scale: str = "q4_0",
+    int4_scale: str = "fit",
 ) -> None:
     """Quantize x (n, Hkv, hd) float32 into ring slots (n,) int64 (distinct) of q_arr /
     scale_arr (see the module doc for layouts), Hadamard-rotating each row first when
     rotate (x itself is not changed). The f16 kind ignores scale_arr (pass anything, or
-    None) and rounds x to half. int4_scale picks the int4 scale rule: "absmax" is
-    d = max|x| / 7, "q4_0" llama.cpp's d = (value of largest magnitude) / -8. Writing the
-    slots' positions is the caller's job."""
+    None) and rounds x to half. int4_scale picks the int4 scale rule (module doc): "fit"
+    (fitted step, the cache's), "q4_0" (llama.cpp's), "absmax". Writing the slots'
+    positions is the caller's job."""
     if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
         raise ValueError(f"kv_store: x {x.dtype}{x.shape} must be float32 (n, n_head_kv, hd), C-contiguous")
     n, n_head_kv, hd = x.shape
@@ -387,7 +420,7 @@ def kv_store(
     if int4_scale not in INT4_SCALES:
         raise ValueError(f"kv_store: int4_scale {int4_scale!r} must be one of {INT4_SCALES}")
     if n:
-        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd), int4_scale == "q4_0")
+        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd), INT4_SCALES.index(int4_scale))
 
 
 def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: np.ndarray, rotate: bool) -> np.ndarray:
@@ -416,10 +449,10 @@ def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: n
 
 @njit(**_KERNEL)
 def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-                i0, i1, g, j0, j1, n_ring, acc, m, l):
+                i0, i1, g, j0, j1, n_ring, X, acc, m, l):
     """Attend queries i0:i1 of kv head g's query heads to keys j0:j1 of the joined index
-    space (ring slots 0:n_ring, then fresh keys), updating acc (rows, hd), m, l (rows,) with
-    rows ordered (query, head in group); acc is in kernel order."""
+    space (ring slots 0:n_ring, then the exact recent slots rk/rv, then fresh keys), updating
+    acc (rows, hd), m, l (rows,) with rows ordered (query, head in group); acc is in kernel order."""
     n_head, hd = q.shape[1], q.shape[2]
     grp = n_head // fk.shape[1]
     rows = (i1 - i0) * grp
@@ -430,7 +463,12 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
     ok = np.empty(tile, np.bool_)
     # the block's queries in kernel order with the softmax scale folded in; q_sink's too
     # when the keys include sink slots
-    has_sink = j0 < min(n_sink, n_ring)
+    # sinks: ring slots 0:n_sink, and the exact copies of their positions (recent slots
+    # 0:n_sink, fresh keys at positions < n_sink)
+    has_sink = n_sink > 0
+    rk, rv, rpos, recent, exact_lo, fresh_all, sb, n_first = X
+    has_sb = sb.shape[0] > 0
+    n_res = rpos.shape[0]
     qb = np.empty((rows, hd), np.float32)  # (rows, hd)
     qs = np.empty((rows if has_sink else 0, hd), np.float32)
     for i in range(i0, i1):
@@ -448,24 +486,38 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
         qmax = max(qmax, q_pos[i])
     j = j0
     while j < j1:
-        ring = j < n_ring
-        t0 = j if ring else j - n_ring
-        nt = min(tile, (min(j1, n_ring) if ring else j1) - j)
+        # source of this tile: 0 the quantized ring, 1 the exact recent slots, 2 fresh keys
+        if j < n_ring:
+            src, t0, end = 0, j, min(j1, n_ring)
+        elif j < n_ring + n_res:
+            src, t0, end = 1, j - n_ring, min(j1, n_ring + n_res)
+        else:
+            src, t0, end = 2, j - n_ring - n_res, j1
+        nt = min(tile, end - j)
         j += nt
-        n_sink_t = max(0, min(nt, n_sink - t0)) if ring else 0  # sink slots in this tile
+        n_sink_t = max(0, min(nt, n_sink - t0)) if src != 2 else 0  # sink slots in this tile
+        if src == 2:  # fresh keys (ascending positions) at sink positions: the first batch's
+            while n_sink_t < nt and 0 <= fpos[t0 + n_sink_t] < n_sink:
+                n_sink_t += 1
         # skip tiles no query of the block sees (empty, future, outside the window)
         anyv = False
         for jj in range(nt):
-            kp = pos[t0 + jj] if ring else fpos[t0 + jj]
+            kp = pos[t0 + jj] if src == 0 else (rpos[t0 + jj] if src == 1 else fpos[t0 + jj])
             if kp >= 0 and kp <= qmax and (window == 0 or jj < n_sink_t or qmin - kp < window):
                 anyv = True
                 break
         if not anyv:
             continue
-        if ring:
+        if src == 0:
             # empty slots of the tile are dequantized too (hidden keys never reach the sums)
             _deq_rows(kind, kh, kb, ks, t0, nt, g, kt)
             _deq_rows(kind, vh, vb, vs, t0, nt, g, vt)
+        elif src == 1:
+            for jj in range(nt):
+                for c in range(hd):
+                    kt[jj, c] = _widen(rk[t0 + jj, g, perm[c]])
+                for c in range(hd):
+                    vt[jj, c] = _widen(rv[t0 + jj, g, perm[c]])
         else:
             for jj in range(nt):
                 for c in range(hd):
@@ -476,10 +528,19 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
             qp = q_pos[i]
             nv = 0
             for jj in range(nt):
-                kp = pos[t0 + jj] if ring else fpos[t0 + jj]
+                kp = pos[t0 + jj] if src == 0 else (rpos[t0 + jj] if src == 1 else fpos[t0 + jj])
                 # sinks sit just before the window (StreamingLLM): causal, never windowed
-                ok[jj] = kp >= 0 and kp <= qp and (window == 0 or jj < n_sink_t or qp - kp < window)
-                nv += ok[jj]
+                vis = kp >= 0 and kp <= qp and (window == 0 or jj < n_sink_t or qp - kp < window)
+                # the first n_first positions, and the last `recent` ones from exact_lo on,
+                # are read from their exact copy (recent slots or fresh keys) and hidden in
+                # the quantized ring
+                exact = (qp - kp < recent and kp >= exact_lo) or kp < n_first
+                if src == 0:
+                    vis = vis and not exact
+                elif src == 1 or not fresh_all:
+                    vis = vis and exact
+                ok[jj] = vis
+                nv += vis
             if nv == 0:
                 continue
             for hh in range(grp):
@@ -508,6 +569,8 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
                         if jj < n_sink_t:
                             for c in range(hd):
                                 s += qs[r, c] * kt[jj, c]
+                            if has_sb:  # sinks' share of the key offset (see kv_attention)
+                                s += sb[i, g * grp + hh] * scale
                         else:
                             for c in range(hd):
                                 s += qb[r, c] * kt[jj, c]
@@ -573,7 +636,7 @@ def _finish_row(src, scale_by, perm, v_rotated, B, out, i, h):
 
 @njit(inline="always", **_KERNEL)
 def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-               v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t):
+               v_rotated, B, n_ring, X, bq, n_split, out, pm, pl, pacc, t):
     n, n_head, hd = q.shape
     n_head_kv = fk.shape[1]
     grp = n_head // n_head_kv
@@ -585,7 +648,7 @@ def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, 
     qb = b // 2 if b % 2 == 0 else nqb - 1 - b // 2
     i0 = qb * bq
     i1 = min(n, i0 + bq)
-    n_all = n_ring + fk.shape[0]
+    n_all = n_ring + X[2].shape[0] + fk.shape[0]
     split_len = (n_all + n_split - 1) // n_split
     j0 = min(n_all, s * split_len)
     j1 = min(n_all, j0 + split_len)
@@ -599,7 +662,7 @@ def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, 
         m[r] = _NEG
         l[r] = _F0
     _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-                i0, i1, g, j0, j1, n_ring, acc, m, l)
+                i0, i1, g, j0, j1, n_ring, X, acc, m, l)
     for i in range(i0, i1):
         for hh in range(grp):
             r = (i - i0) * grp + hh
@@ -615,7 +678,7 @@ def _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, 
 
 @njit(parallel=True, **_KERNEL)
 def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, window, perm,
-               v_rotated, B, bq, par_min, split_min, threads, out):
+               v_rotated, B, X, bq, par_min, split_min, threads, out):
     # array expressions here would each become a parfor of their own (seconds of compile
     # time): only the task loop is parallel, everything else is written as loops
     n, n_head, hd = q.shape
@@ -626,7 +689,7 @@ def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, w
     n_ring = pos.shape[0]
     while n_ring > 0 and pos[n_ring - 1] < 0:
         n_ring -= 1
-    n_all = n_ring + fk.shape[0]
+    n_all = n_ring + X[2].shape[0] + fk.shape[0]
     tasks = ((n + bq - 1) // bq) * fk.shape[1]
     parallel = n * n_head * n_all * hd >= par_min and threads > 1
     # too few (query block, kv head) tasks for the threads: split the keys too, into a
@@ -644,11 +707,11 @@ def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, w
     if parallel:
         for t in prange(tasks * n_split):
             _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-                       v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t)
+                       v_rotated, B, n_ring, X, bq, n_split, out, pm, pl, pacc, t)
     else:  # the calling thread alone: no pool wake-up
         for t in range(tasks * n_split):
             _attn_task(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
-                       v_rotated, B, n_ring, bq, n_split, out, pm, pl, pacc, t)
+                       v_rotated, B, n_ring, X, bq, n_split, out, pm, pl, pacc, t)
     if n_split > 1:
         # merge the splits' partial softmaxes (max m, denominator l, unnormalized sum)
         row = np.empty(hd, np.float32)
@@ -688,6 +751,15 @@ def kv_attention(
     window: int,
     v_rotated: bool,
     out: np.ndarray | None = None,
+    *,
+    recent_k: np.ndarray | None = None,
+    recent_v: np.ndarray | None = None,
+    recent_pos: np.ndarray | None = None,
+    recent: int = 0,
+    exact_lo: int = 0,
+    first: int = 0,
+    fresh_all: bool = True,
+    sink_bias: np.ndarray | None = None,
 ) -> np.ndarray:
     """softmax(q K^T * scale + mask) V over the union of a ring (k, k_scale, v, v_scale of
     `kind`; pos (cap,) int64, -1 = empty) and fresh keys fresh_k, fresh_v (m, Hkv, hd)
@@ -699,7 +771,19 @@ def kv_attention(
     window and are scored with q_sink (n, H, hd) instead of q (None = q). q, q_sink and
     fresh_k must be in the ring's key space (Hadamard-rotated when keys are), fresh_v in
     its value space; v_rotated un-rotates the output. A query that sees no key gets zeros.
-    Returns out (n, H, hd) float32."""
+
+    Exact keys (KIVI's residual, and the first tokens): a key at position p < first, or
+    with q_pos[i] - p < recent and p >= exact_lo, is read, for query i, from its exact copy
+    instead of the ring: the ring slot is hidden and the copy is taken from recent_k,
+    recent_v (r, Hkv, hd) float16 at recent_pos (r,) int64 (-1 = empty; in key space like
+    fresh_k) or from the fresh keys. Recent slots j < n_sink hold the sinks' copies (position
+    j) and are scored as sinks, as are fresh keys at positions < n_sink (fresh keys come in
+    ascending positions).
+    The caller guarantees every such position has exactly one copy there. Recent slots are
+    seen only under that rule; fresh keys under it too unless fresh_all (then always: the
+    batch is not in the ring yet). sink_bias (n, H) float32, when given, is added (times
+    scale) to every sink score: the part of a key offset subtracted before storing that
+    q_sink does not share with q. Returns out (n, H, hd) float32."""
     if q.dtype != np.float32 or q.ndim != 3 or not q.flags.c_contiguous:
         raise ValueError(f"kv_attention: q {q.dtype}{q.shape} must be float32 (n, n_head, hd), C-contiguous")
     n, n_head, hd = q.shape
@@ -727,6 +811,22 @@ def kv_attention(
         raise ValueError(f"kv_attention: fresh_v {fresh_v.shape} and fresh_pos must match fresh_k's {m} keys (fresh_pos int64)")
     if not 0 <= n_sink <= cap or window < 0:
         raise ValueError(f"kv_attention: n_sink={n_sink} must be in [0, {cap}], window={window} >= 0")
+    if recent_k is None and recent_v is None and recent_pos is None:
+        recent_k = recent_v = np.zeros((0, n_head_kv, hd), np.float16)
+        recent_pos = np.zeros(0, np.int64)
+    for a in (recent_k, recent_v):
+        if a is None or a.dtype != np.float16 or a.ndim != 3 or a.shape[1:] != (n_head_kv, hd) or not a.flags.c_contiguous:
+            got = "None" if a is None else f"{a.dtype}{a.shape}"
+            raise ValueError(f"kv_attention: recent_k, recent_v must be float16 (r, {n_head_kv}, {hd}), C-contiguous, not {got}")
+    r = recent_k.shape[0]
+    if recent_v.shape[0] != r or recent_pos is None or recent_pos.dtype != np.int64 or recent_pos.shape != (r,):
+        raise ValueError(f"kv_attention: recent_v {recent_v.shape} and recent_pos must match recent_k's {r} slots (recent_pos int64)")
+    if recent < 0 or first < 0:
+        raise ValueError(f"kv_attention: recent={recent}, first={first} must be >= 0")
+    if sink_bias is None:
+        sink_bias = _NO_SB
+    elif sink_bias.dtype != np.float32 or sink_bias.shape != (n, n_head) or not sink_bias.flags.c_contiguous:
+        raise ValueError(f"kv_attention: sink_bias {sink_bias.dtype}{sink_bias.shape} must be float32 ({n}, {n_head}), C-contiguous")
     if out is None:
         out = np.empty_like(q)
     elif out.dtype != np.float32 or out.shape != q.shape or not out.flags.c_contiguous:
@@ -735,5 +835,6 @@ def kv_attention(
         return out
     _attn_core(_KIND_ID[kind], q, q_sink, q_pos, K, V, pos, int(n_sink), fresh_k, fresh_v, fresh_pos,
                np.float32(scale), int(window), _perm(kind, hd), bool(v_rotated), hadamard_block(hd),
-               min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
+               (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, int(recent), int(exact_lo),
+                bool(fresh_all), sink_bias, int(first)), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
     return out

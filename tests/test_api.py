@@ -82,8 +82,9 @@ def test_regenerate_rolls_back_without_recomputing():
     assert s.regenerate() == b
 
 
-def test_saved_session_continues_exactly(tmp_path):
-    llm = get_llm()
+@pytest.mark.parametrize("kv", ["f16", "int4"])  # int4: scales, exact recent slots, key offset
+def test_saved_session_continues_exactly(tmp_path, kv):
+    llm = get_llm(kv=kv)
     s = llm.session(temperature=0.9, seed=5, max_tokens=10)
     s.send("Tell me about the sea.")
     path = tmp_path / "chat.ekv"

@@ -20,12 +20,12 @@ def english_ids(key):
 
 
 # The targets: int8 KL <= 0.002 and top-1 >= 99%, int4 KL <= 0.02 and top-1 >= 95%.
-# Measured 2026-11-29 (2048 tokens, windows of 512): SmolLM2 int8 0.00024 / 99.4%,
-# int4 0.056 / 88.7%; Gemma-3 int8 0.0012 / 98.4%, int4 0.22 / 76.8%. The combinations that
-# miss are expected failures (strict: they flag once a change makes them pass). What closes
-# the gap, measured in numpy: keeping the last 32 tokens in f16 (KIVI's residual) takes
-# SmolLM2's int4 to 0.0085 / 95.9%; Gemma-3's global layers need the key mean removed first.
-MISSES = {("gemma3", "int8"), ("smollm2", "int4"), ("gemma3", "int4")}
+# Measured 2026-11-29 (2048 tokens, windows of 512): SmolLM2 int8 0.00006 / 99.9%, int4
+# 0.0041 / 97.2%; Gemma-3 int8 0.00002 / 99.9%, int4 0.0049 / 96.7% (before the exact
+# first/recent tokens, key offset, channel weights and fitted int4 steps of kvcache.py:
+# int4 0.056 / 88.7% and 0.22 / 76.8%, Gemma-3 int8 top-1 98.4%). Combinations that miss
+# would be listed here as expected failures (strict: they flag once a change makes them pass).
+MISSES: set[tuple[str, str]] = set()
 TARGET = {"int8": (0.002, 0.99), "int4": (0.02, 0.95)}
 
 

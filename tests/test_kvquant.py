@@ -32,13 +32,37 @@ def rotate(x: np.ndarray) -> np.ndarray:
     return (xb @ hadamard_matrix(B).T).reshape(x.shape)
 
 
-def quantize(kind: str, x: np.ndarray, q4_0: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-    """The storage formats written out in float32 numpy: x (n, Hkv, hd) -> (q, scale)."""
+def fit_group(x: np.ndarray) -> tuple[np.ndarray, np.float16]:
+    """The "fit" int4 rule on one group x (32,) float32, one candidate at a time: levels
+    from inverse step -8 / (f x_m), least-squares step, least squared error wins."""
+    x = x.astype(np.float64)
+    xm = x[np.argmax(np.abs(x))]
+    best = (-1.0, None, None)
+    for f in 0.75 + 0.025 * np.arange(15):
+        q = np.clip(np.rint(x * (-8.0 / (xm * f))), -8, 7) if xm != 0 else np.zeros(32)
+        sqq = float(q @ q)
+        d = float(x @ q) / sqq if sqq else 0.0
+        err = float(np.sum((x - d * q) ** 2))
+        if best[1] is None or err < best[0] * (1 - 1e-12):
+            best = (err, q, d)
+    return best[1].astype(np.int64), np.float32(best[2]).astype(np.float16)
+
+
+def quantize(kind: str, x: np.ndarray, q4_0: bool | str = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """The storage formats written out in float32 numpy: x (n, Hkv, hd) -> (q, scale).
+    q4_0: True for llama.cpp's q4_0 step, False for max|x| / 7, "fit" for the fitted step."""
     if kind == "f16":
         return x.astype(np.float16), None
     n, hkv, hd = x.shape
     g = x.reshape(n, hkv, hd // 32, 32)
     amax = np.abs(g).max(-1)  # (n, Hkv, ng) float32
+    if kind == "int4" and q4_0 == "fit":
+        qs = np.empty(g.shape, np.int64)
+        d16 = np.empty(g.shape[:-1], np.float16)
+        for idx in np.ndindex(*g.shape[:-1]):
+            qs[idx], d16[idx] = fit_group(g[idx])
+        u = (qs + 8).astype(np.uint8).reshape(n, hkv, hd)
+        return (u[..., 0::2] | (u[..., 1::2] << 4)).astype(np.uint8), d16
     if kind == "int8":
         d16 = (amax / np.float32(127)).astype(np.float16)
     elif q4_0:
@@ -133,7 +157,7 @@ def test_hadamard_parallel_path(monkeypatch):
 # --- store / load ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,q4_0", [("f16", False), ("int8", False), ("int4", False), ("int4", True)])
+@pytest.mark.parametrize("kind,q4_0", [("f16", False), ("int8", False), ("int4", False), ("int4", True), ("int4", "fit")])
 @pytest.mark.parametrize("rot", [False, True])
 @pytest.mark.parametrize("hd", [64, 256])
 def test_store_bytes_match_numpy_quantizer(kind, q4_0, rot, hd):
@@ -146,7 +170,7 @@ def test_store_bytes_match_numpy_quantizer(kind, q4_0, rot, hd):
     q, s = kq.kv_arrays(kind, cap, hkv, hd)
     q[:] = 77 if kind != "f16" else 7.0  # untouched slots keep their bytes
     slots = rng.choice(cap, n, replace=False).astype(np.int64)
-    kq.kv_store(kind, x, q, s, slots, rot, int4_scale="q4_0" if q4_0 else "absmax")
+    kq.kv_store(kind, x, q, s, slots, rot, int4_scale="fit" if q4_0 == "fit" else "q4_0" if q4_0 else "absmax")
     xr = kq.hadamard_(x.copy()) if rot else x  # bytes are compared on the kernel's own rotation
     want_q, want_s = quantize(kind, xr, q4_0)
     np.testing.assert_array_equal(q[slots], want_q)
@@ -333,3 +357,21 @@ def test_hadamard_lowers_int4_attention_error_with_outlier_channels():
         errs[rot] = float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref**2)))
     print(f"int4 attention rel. RMS error: plain {errs[False]:.4f}, Hadamard {errs[True]:.4f}")
     assert errs[True] < 0.7 * errs[False]
+
+
+def test_fit_rule_lowers_int4_error():
+    """The fitted int4 step (the default) against llama.cpp's q4_0 step, same 18 bytes."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((64, 2, 128)) * rng.uniform(0.1, 10, (64, 1, 1))).astype(np.float32)
+    x[:8] = rng.laplace(size=(8, 2, 128))  # heavier tails too
+    slots = np.arange(64, dtype=np.int64)
+    sse = {}
+    for rule in ("q4_0", "fit"):
+        q, s = kq.kv_arrays("int4", 64, 2, 128)
+        kq.kv_store("int4", x, q, s, slots, False, int4_scale=rule)
+        y = kq.kv_load("int4", q, s, slots, False)
+        sse[rule] = ((y - x).reshape(64, 2, 4, 32) ** 2).sum(-1)  # per group
+    ratio = sse["fit"].sum() / sse["q4_0"].sum()
+    print(f"int4 squared error, fit / q4_0: {ratio:.3f}, worst group {np.max(sse['fit'] / sse['q4_0']):.3f}")
+    assert ratio < 0.95  # measured 0.893
+    assert np.all(sse["fit"] <= sse["q4_0"] * 1.05 + 1e-9)

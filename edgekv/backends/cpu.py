@@ -123,34 +123,46 @@ class CPUBackend:
         n = q_pos.shape[0]
         q = np.ascontiguousarray(q)
         shift = kv.sink_shift(q_pos)
-        q_sink = None
+        q_sink = sink_bias = None
         if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
             base, neox, n_rot, rscale = rope
             q_sink = self.ops.rope(q.copy(), -shift, base, neox, n_rot, rscale)
-        if kv.rotated:
-            q = kq.hadamard_(q.copy())
-            if q_sink is not None:
-                kq.hadamard_(q_sink)
+            if kv.rotated:
+                sink_bias = kv.sink_bias(q, q_sink)
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
-        if kv.write_first(n):
-            self._store(kv, k, v, q_pos)
-            fk = fv = fpos = None
-        else:  # attend over (ring, this batch), then store
-            fk = kq.hadamard_(k.copy()) if kv.rotated else k
-            fv, fpos = v, q_pos
+        if kv.rotated:  # LayerKV.query_space / key_space, with the kernel's Hadamard
+            kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
+            qmul = np.repeat(kv.kmul, q.shape[1] // kv.kmul.shape[0], axis=0)  # (H, hd)
+            q = kq.hadamard_(q / qmul)
+            if q_sink is not None:
+                q_sink = kq.hadamard_(q_sink / qmul)
+            k_stored = kq.hadamard_((k - kv.mu) * kv.kmul)
+        else:
+            k_stored = k  # (n, Hkv, hd) as the ring stores keys
+        e0 = kv.exact_lo(q_pos)  # before this batch lands in the recent slots
+        first = kv.write_first(n)
+        if first:
+            self._store(kv, k_stored, v, q_pos)
+        # the batch's exact keys: all of them while not stored yet, else for the recent rule
+        fresh = not first or kv.recent > 0
         out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
-                              fk, fv, fpos, scale, kv.span, False)
-        if fk is not None:
-            self._store(kv, k, v, q_pos)
+                              k_stored if fresh else None, v if fresh else None, q_pos if fresh else None,
+                              scale, kv.span, False, recent_k=kv.rk, recent_v=kv.rv, recent_pos=kv.rpos,
+                              recent=kv.recent, exact_lo=e0, first=kv.first, fresh_all=not first,
+                              sink_bias=sink_bias)
+        if not first:  # attend over (ring, this batch), then store
+            self._store(kv, k_stored, v, q_pos)
+        kv.write_recent(k_stored, v, q_pos)
         return out
 
     def _store(self, kv: LayerKV, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
+        """k (n, Hkv, hd) already in the ring's key space (rotated for int kinds)."""
         n = len(pos)
         sel, slots = kv.last_writers(n)
         if len(sel) != n:  # the batch wraps the ring: only each slot's last writer lands
             k, v, pos = np.ascontiguousarray(k[sel]), np.ascontiguousarray(v[sel]), pos[sel]
-        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, kv.rotated)
+        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, False)
         self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False)
         kv.pos[slots] = pos
         kv.n_written += n

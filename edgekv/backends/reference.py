@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from ..gguf_file import Tensor
-from ..kvcache import LayerKV, hadamard
+from ..kvcache import LayerKV
 
 
 def dequantize_tensor(t: Tensor) -> np.ndarray:
@@ -88,38 +88,47 @@ class ReferenceBackend:
 
     def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple) -> np.ndarray:
         n, H, hd = q.shape
-        if kv.write_first(n):  # nothing this batch needs gets evicted: store, then read back
-            kv.write(k, v, q_pos)
-            fresh_k = np.zeros((0,) + k.shape[1:], np.float32)
-            fresh_v, fresh_pos = fresh_k, q_pos[:0]
-        else:
-            fresh_k, fresh_v, fresh_pos = (hadamard(k) if kv.rotated else k), v, q_pos
+        kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
+        k_stored = kv.key_space(k)  # (n, Hkv, hd) as the ring stores keys
+        e0 = kv.exact_lo(q_pos)  # before this batch lands in the recent slots
+        first = kv.write_first(n)
+        if first:  # nothing this batch needs gets evicted: store, then read back
+            kv.write(k_stored, v, q_pos)
+        # three sources (kv_attention's): 0 the ring as stored, 1 the exact recent slots,
+        # 2 this batch exact: all of it when not yet stored, else only for the recent rule
         kk, vv = kv.read()  # (cap, Hkv, hd), keys in stored (maybe rotated) space
-        live = kv.pos >= 0
-        sink = (np.arange(kv.capacity) < kv.n_sink)[live]
-        keys = np.concatenate([kk[live], fresh_k])  # (T, Hkv, hd)
-        vals = np.concatenate([vv[live], fresh_v])
-        k_pos = np.concatenate([kv.pos[live], fresh_pos])
-        sink = np.concatenate([sink, np.zeros(len(fresh_pos), bool)])
+        live, rlive = kv.pos >= 0, kv.rpos >= 0
+        fresh = not first or kv.recent > 0
+        keys = np.concatenate([kk[live], kv.rk[rlive].astype(np.float32)] + ([k_stored] if fresh else []))  # (T, Hkv, hd)
+        vals = np.concatenate([vv[live], kv.rv[rlive].astype(np.float32)] + ([v] if fresh else []))
+        k_pos = np.concatenate([kv.pos[live], kv.rpos[rlive]] + ([q_pos] if fresh else []))
+        src = np.repeat([0, 1, 2], [live.sum(), rlive.sum(), n if fresh else 0])
+        # sinks: ring slots 0..n_sink-1 and their exact copies (positions < n_sink)
+        sink = np.zeros(len(k_pos), bool)
+        sink[: live.sum()] = (np.arange(kv.capacity) < kv.n_sink)[live]
+        sink[live.sum():] = k_pos[live.sum():] < kv.n_sink
         base, neox, n_rot, rscale = rope
         q_sink = self.rope(q, -kv.sink_shift(q_pos), base, neox, n_rot, rscale)  # sinks just before the window
-        if kv.rotated:
-            q, q_sink = hadamard(q), hadamard(q_sink)
+        sink_bias = kv.sink_bias(q, q_sink).T[:, :, None]  # (H, n, 1)
+        q, q_sink = kv.query_space(q), kv.query_space(q_sink)
         group = H // keys.shape[1]  # query head h reads kv head h // group
         keys = np.repeat(keys, group, axis=1)  # (T, H, hd)
         vals = np.repeat(vals, group, axis=1)
         s = np.einsum("nhd,thd->hnt", q, keys)  # (H, n, T)
-        s_sink = np.einsum("nhd,thd->hnt", q_sink, keys)
+        s_sink = np.einsum("nhd,thd->hnt", q_sink, keys) + sink_bias
         s = np.where(sink[None, None, :], s_sink, s) * np.float32(scale)
         dist = q_pos[:, None] - k_pos[None, :]  # (n, T)
         masked = (dist < 0) | ((dist >= kv.span) & ~sink[None, :])  # sinks: causal, but never out of span
+        exact = ((dist < kv.recent) & (k_pos >= e0)[None, :]) | (k_pos < kv.first)[None, :]  # read from an exact copy
+        masked |= np.where(src == 0, exact, ~exact & ((src == 1) | first))
         s = np.where(masked[None], -np.inf, s)
         s = s - s.max(axis=-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
         out = np.einsum("hnt,thd->nhd", p, vals).astype(np.float32)
-        if len(fresh_pos):
-            kv.write(k, v, q_pos)
+        if not first:
+            kv.write(k_stored, v, q_pos)
+        kv.write_recent(k_stored, v, q_pos)
         return out
 
     def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
