@@ -275,6 +275,11 @@ class LayerKV:
         space (rotated), v as computed. Called after the batch has attended."""
         if not self.recent:
             return
+        if len(pos) == 1:  # decode: one row, no fancy indexing
+            p = int(pos[0])
+            row = p if p < self.first else self.first + p % self.recent
+            self.rk[row], self.rv[row], self.rpos[row] = k_stored[0], v[0], p
+            return
         head = pos < self.first  # the first tokens keep rows of their own, for good
         self.rk[pos[head]], self.rv[pos[head]], self.rpos[pos[head]] = k_stored[head], v[head], pos[head]
         t = np.flatnonzero(~head)[-self.recent:]

@@ -374,11 +374,17 @@ def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) 
     want = {"f16": (np.float16, hd), "int8": (np.int8, hd), "int4": (np.uint8, hd // 2)}[kind]
     if qa.dtype != want[0] or qa.shape[2] != want[1]:
         raise ValueError(f"{name}: {kind} ring array must be {np.dtype(want[0])} (cap, n_head_kv, {want[1]}), not {qa.dtype}{qa.shape}")
-    if kind == "f16":
-        return qa.view(np.uint16), _NO_B, _NO_H
-    if sa is None or sa.dtype != np.float16 or sa.shape != (cap, n_head_kv, hd // GROUP) or not sa.flags.c_contiguous:
+    if kind != "f16" and (sa is None or sa.dtype != np.float16 or sa.shape != (cap, n_head_kv, hd // GROUP)
+                          or not sa.flags.c_contiguous):
         got = "None" if sa is None else f"{sa.dtype}{sa.shape}"
         raise ValueError(f"{name}: {kind} scales must be float16 ({cap}, {n_head_kv}, {hd // GROUP}), C-contiguous, not {got}")
+    return _views(kind, qa, sa)
+
+
+def _views(kind: str, qa: np.ndarray, sa: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (h, b, s) views of a ring array the cores take: f16 bits, int bytes, f16 scale bits."""
+    if kind == "f16":
+        return qa.view(np.uint16), _NO_B, _NO_H
     return _NO_H, qa.view(np.int8), sa.view(np.uint16)
 
 
@@ -398,13 +404,20 @@ def kv_store(
     rotate: bool,
     *,
     int4_scale: str = "fit",
+    check: bool = True,
 ) -> None:
     """Quantize x (n, Hkv, hd) float32 into ring slots (n,) int64 (distinct) of q_arr /
     scale_arr (see the module doc for layouts), Hadamard-rotating each row first when
     rotate (x itself is not changed). The f16 kind ignores scale_arr (pass anything, or
     None) and rounds x to half. int4_scale picks the int4 scale rule (module doc): "fit"
     (fitted step, the cache's), "q4_0" (llama.cpp's), "absmax". Writing the slots'
-    positions is the caller's job."""
+    positions is the caller's job. check=False skips the checks (a backend's decode step,
+    whose arrays the cache made: the checks cost more than storing one token)."""
+    if not check:
+        hd = x.shape[2]
+        _store_core(_KIND_ID[kind], x, _views(kind, q_arr, scale_arr), slots, bool(rotate), hadamard_block(hd),
+                    INT4_SCALES.index(int4_scale))
+        return
     if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
         raise ValueError(f"kv_store: x {x.dtype}{x.shape} must be float32 (n, n_head_kv, hd), C-contiguous")
     n, n_head_kv, hd = x.shape
@@ -760,6 +773,7 @@ def kv_attention(
     first: int = 0,
     fresh_all: bool = True,
     sink_bias: np.ndarray | None = None,
+    check: bool = True,
 ) -> np.ndarray:
     """softmax(q K^T * scale + mask) V over the union of a ring (k, k_scale, v, v_scale of
     `kind`; pos (cap,) int64, -1 = empty) and fresh keys fresh_k, fresh_v (m, Hkv, hd)
@@ -783,7 +797,18 @@ def kv_attention(
     seen only under that rule; fresh keys under it too unless fresh_all (then always: the
     batch is not in the ring yet). sink_bias (n, H) float32, when given, is added (times
     scale) to every sink score: the part of a key offset subtracted before storing that
-    q_sink does not share with q. Returns out (n, H, hd) float32."""
+    q_sink does not share with q. Returns out (n, H, hd) float32.
+
+    check=False skips the checks (a backend's decode step; arrays as the cache made them, every
+    optional one given, out included): at one token they cost more than the attention."""
+    if not check:
+        hd = q.shape[2]
+        _attn_core(_KIND_ID[kind], q, q_sink, q_pos, _views(kind, k, k_scale), _views(kind, v, v_scale), pos,
+                   n_sink, fresh_k, fresh_v, fresh_pos, np.float32(scale), window, _perm(kind, hd), v_rotated,
+                   hadamard_block(hd), (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent,
+                                        exact_lo, fresh_all, sink_bias, first),
+                   min(q.shape[0], KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
+        return out
     if q.dtype != np.float32 or q.ndim != 3 or not q.flags.c_contiguous:
         raise ValueError(f"kv_attention: q {q.dtype}{q.shape} must be float32 (n, n_head, hd), C-contiguous")
     n, n_head, hd = q.shape

@@ -14,6 +14,8 @@ from ..kvcache import LayerKV
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
 _NONE2 = np.empty((0, 0), np.float32)  # and residual
+_NO_SB = np.zeros((0, 0), np.float32)  # kv_attention's sink_bias when there is none
+_NO_POS = np.zeros(0, np.int64)
 
 
 def physical_cores() -> int:
@@ -119,14 +121,17 @@ class CPUBackend:
         return self.ops.add_(a, np.ascontiguousarray(b))
 
     def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple) -> np.ndarray:
+        # The kernels run unchecked (check=False): the cache made every ring array, the model
+        # every activation; at one token the checks and numpy glue used to cost more than the
+        # attention itself, so the decode path here is a few jitted calls and no fancy indexing.
         kq = self.kvq
         n = q_pos.shape[0]
         q = np.ascontiguousarray(q)
-        shift = kv.sink_shift(q_pos)
-        q_sink = sink_bias = None
-        if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
+        q_sink, sink_bias = q, _NO_SB
+        shift = max(int(q_pos[-1]) - kv.capacity + 1, 0) if kv.n_sink else 0  # the batch's largest
+        if shift:  # sinks seen from just before the window (StreamingLLM)
             base, neox, n_rot, rscale = rope
-            q_sink = self.ops.rope(q.copy(), -shift, base, neox, n_rot, rscale)
+            q_sink = self.ops.rope(q.copy(), -kv.sink_shift(q_pos), base, neox, n_rot, rscale)
             if kv.rotated:
                 sink_bias = kv.sink_bias(q, q_sink)
         k = np.ascontiguousarray(k, dtype=np.float32)
@@ -135,8 +140,10 @@ class CPUBackend:
             kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
             qmul = np.repeat(kv.kmul, q.shape[1] // kv.kmul.shape[0], axis=0)  # (H, hd)
             q = kq.hadamard_(q / qmul)
-            if q_sink is not None:
+            if shift:
                 q_sink = kq.hadamard_(q_sink / qmul)
+            else:
+                q_sink = q
             k_stored = kq.hadamard_((k - kv.mu) * kv.kmul)
         else:
             k_stored = k  # (n, Hkv, hd) as the ring stores keys
@@ -146,11 +153,15 @@ class CPUBackend:
             self._store(kv, k_stored, v, q_pos)
         # the batch's exact keys: all of them while not stored yet, else for the recent rule
         fresh = not first or kv.recent > 0
+        if fresh:
+            fk, fv, fpos = k_stored, v, q_pos
+        else:
+            fk = fv = np.zeros((0,) + k.shape[1:], np.float32)
+            fpos = _NO_POS
         out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
-                              k_stored if fresh else None, v if fresh else None, q_pos if fresh else None,
-                              scale, kv.span, False, recent_k=kv.rk, recent_v=kv.rv, recent_pos=kv.rpos,
-                              recent=kv.recent, exact_lo=e0, first=kv.first, fresh_all=not first,
-                              sink_bias=sink_bias)
+                              fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
+                              recent_v=kv.rv, recent_pos=kv.rpos, recent=kv.recent, exact_lo=e0, first=kv.first,
+                              fresh_all=not first, sink_bias=sink_bias, check=False)
         if not first:  # attend over (ring, this batch), then store
             self._store(kv, k_stored, v, q_pos)
         kv.write_recent(k_stored, v, q_pos)
@@ -159,10 +170,14 @@ class CPUBackend:
     def _store(self, kv: LayerKV, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
         """k (n, Hkv, hd) already in the ring's key space (rotated for int kinds)."""
         n = len(pos)
-        sel, slots = kv.last_writers(n)
-        if len(sel) != n:  # the batch wraps the ring: only each slot's last writer lands
-            k, v, pos = np.ascontiguousarray(k[sel]), np.ascontiguousarray(v[sel]), pos[sel]
-        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, False)
-        self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False)
+        if n == 1:  # decode: the slot by integer arithmetic, as LayerKV.slots
+            i, cap, s = kv.n_written, kv.capacity, kv.n_sink
+            slots = np.array([i if i < cap else s + (i - s) % max(cap - s, 1)], np.int64)
+        else:
+            sel, slots = kv.last_writers(n)
+            if len(sel) != n:  # the batch wraps the ring: only each slot's last writer lands
+                k, v, pos = np.ascontiguousarray(k[sel]), np.ascontiguousarray(v[sel]), pos[sel]
+        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, False, check=False)
+        self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False, check=False)
         kv.pos[slots] = pos
         kv.n_written += n
