@@ -313,6 +313,37 @@ def hadamard_(x: np.ndarray) -> np.ndarray:
 
 
 @njit(**_EXACT)
+def _kv_space_core(q, k, mu, kmul, B, qo, ko):
+    n, n_head, hd = q.shape
+    n_head_kv = k.shape[1]
+    grp = n_head // n_head_kv
+    for t in range(n):
+        for h in range(n_head):
+            g = h // grp
+            for c in range(hd):
+                qo[t, h, c] = q[t, h, c] / kmul[g, c]
+            _fwht(qo[t, h], B)
+        for g in range(n_head_kv):
+            for c in range(hd):
+                ko[t, g, c] = (k[t, g, c] - mu[g, c]) * kmul[g, c]
+            _fwht(ko[t, g], B)
+
+
+def kv_space(q: np.ndarray, k: np.ndarray, mu: np.ndarray, kmul: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(H(q / kmul), H((k - mu) * kmul)): queries q (n, H, hd) and keys k (n, Hkv, hd) float32,
+    C-contiguous, moved into an int ring's key space (edgekv.kvcache.LayerKV.query_space /
+    key_space; query head h uses kv head h // (H // Hkv)'s kmul), in one call: the decode step
+    would otherwise spend more on numpy temporaries than on the arithmetic."""
+    n, n_head, hd = q.shape
+    if (q.dtype != np.float32 or k.dtype != np.float32 or k.ndim != 3 or k.shape[0] != n or k.shape[2] != hd
+            or n_head % k.shape[1] or mu.shape != k.shape[1:] or kmul.shape != k.shape[1:]):
+        raise ValueError(f"kv_space: q {q.dtype}{q.shape}, k {k.dtype}{k.shape}, mu {mu.shape}, kmul {kmul.shape} do not fit")
+    qo, ko = np.empty_like(q), np.empty_like(k)
+    _kv_space_core(q, k, mu, kmul, hadamard_block(hd), qo, ko)
+    return qo, ko
+
+
+@njit(**_EXACT)
 def _store_core(kind, x, ring, slots, rotate, B, rule):
     n, n_head_kv, hd = x.shape
     buf = np.empty(hd, np.float32)

@@ -137,6 +137,26 @@ def make_ring(kind, cap, hkv, hd, rng, rotate_k, rotate_v):
 # --- Hadamard -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("n, H, Hkv, hd", [(1, 9, 3, 64), (3, 4, 1, 256)])
+def test_kv_space(n, H, Hkv, hd):
+    """kv_space moves queries and keys into the int ring's key space as LayerKV's numpy
+    query_space / key_space do: H(q / kmul) and H((k - mu) kmul), so q . k - q . mu is kept."""
+    rng = np.random.default_rng(hd)
+    q = rng.standard_normal((n, H, hd)).astype(np.float32)
+    k = rng.standard_normal((n, Hkv, hd)).astype(np.float32)
+    mu = rng.standard_normal((Hkv, hd)).astype(np.float32)
+    kmul = np.exp(rng.standard_normal((Hkv, hd)) * 0.3).astype(np.float32)
+    qo, ko = kq.kv_space(q, k, mu, kmul)
+    grp = H // Hkv
+    np.testing.assert_allclose(qo, rotate(q / np.repeat(kmul, grp, axis=0)), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(ko, rotate((k - mu) * kmul), rtol=0, atol=1e-4)
+    scores = np.einsum("nhd,nhd->nh", qo, np.repeat(ko, grp, axis=1))
+    want = np.einsum("nhd,nhd->nh", q, np.repeat(k - mu, grp, axis=1))
+    np.testing.assert_allclose(scores, want, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError):
+        kq.kv_space(q, k[:, :, :32], mu, kmul)
+
+
 @pytest.mark.parametrize("hd", [32, 64, 96, 128, 256, 384, 512])
 def test_hadamard_matches_matrix_and_is_orthonormal(hd):
     rng = np.random.default_rng(hd)

@@ -138,13 +138,12 @@ class CPUBackend:
         v = np.ascontiguousarray(v, dtype=np.float32)
         if kv.rotated:  # LayerKV.query_space / key_space, with the kernel's Hadamard
             kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
-            qmul = np.repeat(kv.kmul, q.shape[1] // kv.kmul.shape[0], axis=0)  # (H, hd)
-            q = kq.hadamard_(q / qmul)
             if shift:
+                qmul = np.repeat(kv.kmul, q.shape[1] // kv.kmul.shape[0], axis=0)  # (H, hd)
                 q_sink = kq.hadamard_(q_sink / qmul)
-            else:
+            q, k_stored = kq.kv_space(q, k, kv.mu, kv.kmul)
+            if not shift:
                 q_sink = q
-            k_stored = kq.hadamard_((k - kv.mu) * kv.kmul)
         else:
             k_stored = k  # (n, Hkv, hd) as the ring stores keys
         e0 = kv.exact_lo(q_pos)  # before this batch lands in the recent slots
