@@ -144,10 +144,12 @@ def _read_message(prompt: str) -> str:
 
 
 def _kv_line(sess) -> str:
-    llm = sess.llm
-    cache = sess.seq.cache
-    fill = max((min(lk.n_written, lk.capacity) for lk in cache.layers), default=0)
-    return (f"kv {llm.kv_type}: {fill}/{llm.n_ctx} tokens in the largest ring, {cache.nbytes / 2**20:.1f} MiB allocated, "
+    from .generate import Stats
+
+    kv = Stats()
+    kv.measure_kv(sess.seq.cache)
+    return (f"kv {sess.llm.kv_type}: {kv.kv_tokens}/{kv.kv_capacity} tokens in the largest ring, "
+            f"{kv.kv_bytes_used / 2**20:.2f} of {kv.kv_bytes / 2**20:.2f} MiB in use, "
             f"{len(sess.seq.tokens)} tokens cached")
 
 

@@ -25,25 +25,42 @@ class Event:
 
 @dataclass
 class Stats:
+    """Counts and timings of one generate call or chat turn (`llm.stats`, `session.stats`)."""
+
     prompt_tokens: int = 0  # tokens of this call's input
     prefill_tokens: int = 0  # of those, the ones actually computed (the rest were cached)
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    kv_tokens: int = 0  # tokens held by the largest ring after the call (at most its capacity)
+    kv_capacity: int = 0  # tokens the largest ring holds (n_ctx)
+    kv_bytes_used: int = 0  # bytes of K/V (scales included) filled after the call, all layers
+    kv_bytes: int = 0  # bytes allocated for the cache, all layers
+
+    def measure_kv(self, cache) -> None:
+        """Record how full `cache` is."""
+        self.kv_tokens = max((min(lk.n_written, lk.capacity) for lk in cache.layers), default=0)
+        self.kv_capacity = max((lk.capacity for lk in cache.layers), default=0)
+        self.kv_bytes = cache.nbytes
+        self.kv_bytes_used = sum(lk.nbytes * min(lk.n_written, lk.capacity) // lk.capacity for lk in cache.layers)
 
     @property
     def prefill_tps(self) -> float:
+        """Prefill speed, tokens/s (0 when nothing was prefilled)."""
         return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tps(self) -> float:
+        """Decode speed, tokens/s (0 when nothing was generated)."""
         return self.generated_tokens / self.decode_s if self.decode_s else 0.0
 
     def as_dict(self) -> dict:
+        """The figures as a JSON-ready dict (what `edgekv run --json` prints)."""
         return dict(prompt_tokens=self.prompt_tokens, prefill_tokens=self.prefill_tokens,
                     generated_tokens=self.generated_tokens, prefill_s=round(self.prefill_s, 4),
                     decode_s=round(self.decode_s, 4), prefill_tokens_per_s=round(self.prefill_tps, 2),
-                    decode_tokens_per_s=round(self.decode_tps, 2))
+                    decode_tokens_per_s=round(self.decode_tps, 2), kv_tokens=self.kv_tokens,
+                    kv_capacity=self.kv_capacity, kv_bytes_used=self.kv_bytes_used, kv_bytes=self.kv_bytes)
 
 
 class Sequence:
@@ -54,8 +71,20 @@ class Sequence:
         self.cache = llm.new_cache()
         self.tokens: list[int] = []
 
-    def feed(self, ids: Seq[int]) -> np.ndarray:
-        """Append ids, run them through the model; the logits (n_vocab,) after the last one."""
+    def feed(self, ids: Seq[int], cancel: threading.Event | None = None) -> np.ndarray | None:
+        """Append ids, run them through the model; the logits (n_vocab,) after the last one.
+        Long inputs run in chunks; if `cancel` is set between two chunks, stop there and return
+        None (the chunks already run stay cached and accounted for)."""
+        if len(ids) == 1:  # decode: no chunking
+            return self._run(ids)[-1]
+        logits = None
+        for part in self._parts(ids):
+            if cancel is not None and cancel.is_set():
+                return None
+            logits = self._run(part)
+        return logits[-1]
+
+    def _run(self, ids: Seq[int]) -> np.ndarray:
         try:
             logits = self.llm.forward(ids, self.cache, len(self.tokens))
         except BaseException:
@@ -65,7 +94,22 @@ class Sequence:
                 self.reset()
             raise
         self.tokens.extend(int(i) for i in ids)
-        return logits[-1]
+        return logits
+
+    def _parts(self, ids: Seq[int]) -> Iterator[Seq[int]]:
+        """ids in prefill chunks. A batch that wraps a ring attends over (ring, batch) and only
+        ring slots act as attention sinks, so while a ring still lacks its sinks the first chunk
+        stops where that ring is full: the sinks are stored before anything is evicted, and a
+        prompt longer than the context sees the same sinks + recent window as token-by-token."""
+        from .llm import UBATCH
+
+        start = 0
+        rooms = [lk.capacity - lk.n_written for lk in self.cache.layers if lk.n_written < lk.n_sink]
+        if rooms and min(rooms) < len(ids):
+            start = min(rooms)
+            yield ids[:start]
+        for s in range(start, len(ids), UBATCH):
+            yield ids[s : s + UBATCH]
 
     def reuse(self, ids: Seq[int]) -> int:
         """Keep the longest cached prefix shared with ids (rolling the cache back if needed).
@@ -128,9 +172,15 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
     stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()
     cached = seq.reuse(prompt_ids)
-    logits = seq.feed(prompt_ids[cached:])
-    stats.prefill_tokens = len(prompt_ids) - cached
-    stats.prefill_s = time.perf_counter() - t0
+    try:
+        logits = seq.feed(prompt_ids[cached:], cancel)
+    finally:
+        stats.prefill_tokens = len(seq.tokens) - cached
+        stats.prefill_s = time.perf_counter() - t0
+        stats.measure_kv(seq.cache)
+    if logits is None:  # cancelled between prefill chunks
+        yield Event("", None, "cancelled")
+        return
     t0 = time.perf_counter()
     detok = llm.tokenizer.stream()
     stopper = StopMatcher(stop)
@@ -155,6 +205,7 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
             yield Event(text, tok)
     finally:
         stats.decode_s = time.perf_counter() - t0
+        stats.measure_kv(seq.cache)
     tail = ""
     if not hit:  # release what was held back: an incomplete stop string, trailing bytes
         tail, hit = stopper.push(detok.flush())

@@ -53,7 +53,13 @@ class ChatSession:
 
     def send(self, text: str, *, stream: bool = False, max_tokens: int | None = None,
              stop: list[str] | tuple = (), cancel: threading.Event | None = None):
-        """Add a user message and answer it: the reply text, or (stream=True) an iterator of Events."""
+        """Add a user message and answer it: the reply text, or (stream=True) an iterator of Events.
+        Inputs and context as in `LLM.generate` (bytes decoded as UTF-8 with U+FFFD for invalid
+        sequences; a conversation longer than n_ctx keeps going through the ring). `cancel`
+        (a threading.Event) ends the reply within one token; what was said so far becomes the
+        assistant's turn and the session stays usable."""
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", errors="replace")
         if not isinstance(text, str):
             raise EdgekvError("message must be a string")
         events = self._turn(text, max_tokens or self.max_tokens, stop, cancel)
@@ -123,6 +129,7 @@ class ChatSession:
             np.savez(body, **arrays)
             blob = json.dumps(header).encode()
             path = Path(path)
+            tmp = None
             try:
                 fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
                 with os.fdopen(fd, "wb") as f:
@@ -131,12 +138,15 @@ class ChatSession:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-            except OSError as e:
-                try:
-                    os.unlink(tmp)
-                except (OSError, UnboundLocalError):
-                    pass
-                raise SessionFileError(f"cannot save session to {path}: {e.strerror or e}") from None
+            except BaseException as e:  # a full disk, or Ctrl-C mid-write: no stray temp file
+                if tmp is not None:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                if isinstance(e, OSError):
+                    raise SessionFileError(f"cannot save session to {path}: {e.strerror or e}") from None
+                raise
 
     @classmethod
     def load(cls, path: str | os.PathLike, llm) -> "ChatSession":
