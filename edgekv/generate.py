@@ -2,6 +2,8 @@
 the `generate` iterator of events that the API, the chat and the bench share."""
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -85,15 +87,18 @@ class Sequence:
         return logits[-1]
 
     def _run(self, ids: Seq[int]) -> np.ndarray:
-        try:
-            logits = self.llm.forward(ids, self.cache, len(self.tokens))
-        except BaseException:
-            # Interrupted (Ctrl-C, an error) mid-batch: some layers hold this batch, others not.
-            # Roll every layer back to the tokens we account for, so the cache stays coherent.
-            if not self.cache.trim(len(self.tokens)):
-                self.reset()
-            raise
-        self.tokens.extend(int(i) for i in ids)
+        # A batch that overwrites ring slots cannot be rolled back: Ctrl-C waits until it is done.
+        wraps = any(lk.n_written + len(ids) > lk.capacity for lk in self.cache.layers)
+        with _DeferSigint() if wraps else _NO_DEFER:
+            try:
+                logits = self.llm.forward(ids, self.cache, len(self.tokens))
+            except BaseException:
+                # Interrupted (an error) mid-batch: some layers hold this batch, others not.
+                # Roll every layer back to the tokens we account for, so the cache stays coherent.
+                if not self.cache.trim(len(self.tokens)):
+                    self.reset()
+                raise
+            self.tokens.extend(int(i) for i in ids)
         return logits
 
     def _parts(self, ids: Seq[int]) -> Iterator[Seq[int]]:
@@ -129,6 +134,31 @@ class Sequence:
     def reset(self) -> None:
         self.cache.reset()
         self.tokens = []
+
+
+class _DeferSigint:
+    """Holds back Ctrl-C (SIGINT under Python's default handler, main thread only) for the
+    duration of a block and raises KeyboardInterrupt when it ends."""
+
+    def __enter__(self):
+        self.prev = None
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self.hit = False
+            self.prev = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc) -> None:
+        if self.prev is not None:
+            signal.signal(signal.SIGINT, self.prev)
+            if self.hit and exc[0] is None:
+                raise KeyboardInterrupt
+
+
+_NO_DEFER = contextlib.nullcontext()
 
 
 class StopMatcher:

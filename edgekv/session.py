@@ -70,23 +70,31 @@ class ChatSession:
             self.history.append({"role": "user", "content": text})
             try:
                 ids = self._prompt_ids()
-            except Exception:
+                rendered = self.llm.template.render(self.messages(), add_generation_prompt=True)
+            except BaseException:  # Ctrl-C too: a user turn without a reply would break alternation
                 self.history.pop()
                 raise
             self.stats = Stats()
             reply = []
             self._cached_text = None
-            rendered = self.llm.template.render(self.messages(), add_generation_prompt=True)
+            finished = False
             try:
                 for e in generate(self.llm, self.seq, ids, self.sampler, max_tokens=max_tokens, stop=stop,
                                   cancel=cancel, stats=self.stats):
                     reply.append(e.text)
                     yield e
+                finished = True
             finally:
                 # Whatever was produced (even if cancelled) becomes the assistant's turn.
-                self.history.append({"role": "assistant", "content": "".join(reply)})
                 fed = self.seq.tokens[len(ids):]
-                if self.seq.tokens[: len(ids)] == ids:
+                whole = self.seq.tokens[: len(ids)] == ids
+                if not finished and whole:
+                    # Cut off (Ctrl-C, the stream dropped): text the decoder still held back
+                    # never reached `reply`; the reply is what the cache holds, so the next
+                    # turn still extends the cached text (a wrapped ring cannot roll back).
+                    reply = [self.llm.tokenizer.decode(fed)]
+                self.history.append({"role": "assistant", "content": "".join(reply)})
+                if whole:
                     self._cached_text = rendered + self.llm.tokenizer.decode(fed)
 
     def regenerate(self, **kw):

@@ -402,3 +402,43 @@ def test_threads_share_one_model():
     grown = _rss() - rss["first"]
     print(f"threads: rounds {rounds} in {time.monotonic() - start:.0f} s, RSS grew {grown / 2**20:.1f} MiB")
     assert grown < 64 * 2**20
+
+
+def test_ctrl_c_on_a_wrapped_ring_keeps_the_cache():
+    """Ctrl-C lands mid-step while the ring is full: a wrapped ring cannot roll back, so the
+    step completes first and KeyboardInterrupt comes after it; the next turn still extends the
+    cached conversation instead of prefilling it again."""
+    import signal
+
+    llm = get_llm("smollm2", n_ctx=64)
+    s = llm.session(temperature=0, max_tokens=60)
+    s.send("Summarize: " + " ".join(f"fact {i} is {i * 3}." for i in range(12)))
+    assert s.n_cached > 64  # wrapped
+    calls, forward = [], llm.forward
+
+    def interrupted_forward(ids, cache, start_pos, **kw):
+        calls.append(len(ids))
+        if len(calls) == 5:  # a real SIGINT, delivered while this decode step runs
+            os.kill(os.getpid(), signal.SIGINT)
+        return forward(ids, cache, start_pos, **kw)
+
+    llm.forward = interrupted_forward
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in s.send("Write a long story about a dragon.", stream=True):
+                pass
+    finally:
+        del llm.forward
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    n_before = s.n_cached
+    assert len(s.history) == 4 and s.history[-1]["role"] == "assistant" and s.history[-1]["content"]
+    s.send("Thanks.")
+    assert s.stats.prefill_tokens < 20 and s.n_cached > n_before  # extended, not prefilled again
+
+
+def test_chat_output_cannot_drive_the_terminal():
+    from edgekv.cli import printable
+
+    assert printable("ok\tnext\nline") == "ok\tnext\nline"
+    assert printable("\x1b[2J\x1b]0;title\x07\r\x00\x7f\x9b") == "^[[2J^[]0;title^G^M^@^?\\x9b"
+    assert printable("é中🙂") == "é中🙂"
