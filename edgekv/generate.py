@@ -136,6 +136,17 @@ class Sequence:
         self.tokens = []
 
 
+def _use_backend_threads(llm) -> None:
+    """numba's thread count belongs to the calling thread: give this one the LLM's (a GUI's
+    worker thread would otherwise run on every logical core, whatever `threads=` said)."""
+    n = getattr(llm.backend, "threads", None)
+    if n:
+        import numba
+
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
+
+
 class _DeferSigint:
     """Holds back Ctrl-C (SIGINT under Python's default handler, main thread only) for the
     duration of a block and raises KeyboardInterrupt when it ends."""
@@ -198,6 +209,7 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
     max_tokens, yielding an Event per token; the last event carries finish_reason."""
     if not prompt_ids:
         raise EdgekvError("empty prompt: nothing to continue from")
+    _use_backend_threads(llm)
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()

@@ -19,7 +19,16 @@ UBATCH = 512  # prefill chunk: bounds activation memory, and the attention worki
 
 
 class LLM:
-    """A model ready to run. Create with `edgekv.load`."""
+    """A model ready to run. Create with `edgekv.load`.
+
+    Threading: the weights, tokenizer and template are read-only once loaded, so one LLM
+    serves several threads at once, each generating through its own cache: one
+    `llm.session()` per thread, or `generate`/`complete`/`chat` calls (each call has its own
+    cache and sampler). A ChatSession is for one thread at a time (its turns take a lock).
+    Outputs do not depend on what other threads run: same seed, same text. `llm.stats` is
+    the last call started by any thread; use `session.stats`, or pass `stats=` to generate,
+    to read one thread's figures. Cancel from any thread with a threading.Event (`cancel=`).
+    """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
                  device: str = "cpu", n_sink: int = 4):
@@ -88,6 +97,7 @@ class LLM:
         return self.forward(ids, self.new_cache(), 0, last_only=False)
 
     def sampling(self, **kw) -> "SamplingParams":
+        """Validated sampling parameters from generate()'s sampling keywords (EdgekvError if bad)."""
         from .sampling import SamplingParams
 
         params = SamplingParams(**kw)

@@ -37,6 +37,7 @@ class ChatSession:
         self._cached_text: str | None = None  # the text seq.tokens stands for, when known
 
     def messages(self) -> list[dict]:
+        """The conversation as the template sees it: the system prompt (if any), then history."""
         sys = [{"role": "system", "content": self.system}] if self.system else []
         return sys + self.history
 
@@ -115,6 +116,7 @@ class ChatSession:
 
     @property
     def n_cached(self) -> int:
+        """Tokens of the conversation held by the cache (may exceed n_ctx: the ring keeps the recent ones)."""
         return len(self.seq.tokens)
 
     # -- save / load -----------------------------------------------------------------

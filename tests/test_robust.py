@@ -442,3 +442,22 @@ def test_chat_output_cannot_drive_the_terminal():
     assert printable("ok\tnext\nline") == "ok\tnext\nline"
     assert printable("\x1b[2J\x1b]0;title\x07\r\x00\x7f\x9b") == "^[[2J^[]0;title^G^M^@^?\\x9b"
     assert printable("é中🙂") == "é中🙂"
+
+
+def test_worker_threads_run_with_the_llms_thread_count():
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one CPU: every thread count is 1")
+    llm = get_llm()
+    seen = {}
+
+    def worker():
+        numba.set_num_threads(1 if llm.backend.threads > 1 else 2)  # a thread's own count differs
+        list(llm.generate(PROMPT, max_tokens=2))
+        seen["n"] = numba.get_num_threads()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(300)
+    assert seen["n"] == llm.backend.threads
