@@ -72,6 +72,7 @@ class Sequence:
         self.llm = llm
         self.cache = llm.new_cache()
         self.tokens: list[int] = []
+        self._serial = _serial_lock(llm)
 
     def feed(self, ids: Seq[int], cancel: threading.Event | None = None) -> np.ndarray | None:
         """Append ids, run them through the model; the logits (n_vocab,) after the last one.
@@ -89,7 +90,7 @@ class Sequence:
     def _run(self, ids: Seq[int]) -> np.ndarray:
         # A batch that overwrites ring slots cannot be rolled back: Ctrl-C waits until it is done.
         wraps = any(lk.n_written + len(ids) > lk.capacity for lk in self.cache.layers)
-        with _DeferSigint() if wraps else _NO_DEFER:
+        with _DeferSigint() if wraps else _NO_DEFER, self._serial:
             try:
                 logits = self.llm.forward(ids, self.cache, len(self.tokens))
             except BaseException:
@@ -134,6 +135,19 @@ class Sequence:
     def reset(self) -> None:
         self.cache.reset()
         self.tokens = []
+
+
+# numba's workqueue threading layer (used when neither OpenMP nor TBB is installed) aborts the
+# process when two Python threads launch parallel kernels at once: forward passes then take turns.
+_WORKQUEUE_LOCK = threading.Lock()
+
+
+def _serial_lock(llm):
+    if getattr(llm.backend, "name", "") != "cpu":
+        return _NO_DEFER
+    import numba
+
+    return _WORKQUEUE_LOCK if numba.config.THREADING_LAYER in ("default", "workqueue") else _NO_DEFER
 
 
 def _use_backend_threads(llm) -> None:

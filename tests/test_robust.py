@@ -461,3 +461,29 @@ def test_worker_threads_run_with_the_llms_thread_count():
     t.start()
     t.join(300)
     assert seen["n"] == llm.backend.threads
+
+
+def test_threads_without_a_threadsafe_numba_layer_take_turns(tmp_path):
+    """numba's workqueue layer (no OpenMP or TBB installed) aborts the whole process when two
+    threads launch parallel kernels at once; edgekv's forward passes then take turns."""
+    import subprocess
+    import sys
+
+    from conftest import model_path
+
+    script = tmp_path / "threads.py"
+    script.write_text(f"""
+import threading, numba, edgekv
+llm = edgekv.LLM({str(model_path("smollm2"))!r}, n_ctx=128)
+out = {{}}
+def work(i):
+    out[i] = llm.complete("Once upon a time " * 20, max_tokens=6, temperature=0.8, seed=i)
+ts = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(numba.threading_layer(), len(out))
+""")
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["workqueue", "3"]
