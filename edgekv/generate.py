@@ -109,13 +109,13 @@ class Sequence:
         prompt longer than the context sees the same sinks + recent window as token-by-token."""
         from .llm import UBATCH
 
-        start = 0
+        n, first = len(ids), 0
         rooms = [lk.capacity - lk.n_written for lk in self.cache.layers if lk.n_written < lk.n_sink]
-        if rooms and min(rooms) < len(ids):
-            start = min(rooms)
-            yield ids[:start]
-        for s in range(start, len(ids), UBATCH):
-            yield ids[s : s + UBATCH]
+        if rooms and min(rooms) < n:
+            first = min(rooms)
+        cuts = [*range(0, first, UBATCH), *range(first, n, UBATCH), n]
+        for a, b in zip(cuts, cuts[1:]):
+            yield ids[a:b]
 
     def reuse(self, ids: Seq[int]) -> int:
         """Keep the longest cached prefix shared with ids (rolling the cache back if needed).
