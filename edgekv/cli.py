@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections import Counter
 
@@ -110,11 +111,12 @@ def cmd_run(args) -> int:
     else:
         prompt_in = prompt
     pieces, reason = [], None
+    tty = sys.stdout.isatty()  # a terminal gets control characters escaped, a pipe the exact text
     for e in llm.generate(prompt_in, max_tokens=args.max_tokens, stop=args.stop or (), **_sampling_args(args)):
         pieces.append(e.text)
         reason = e.finish_reason or reason
         if not args.json:
-            print(e.text, end="", flush=True)
+            print(printable(e.text) if tty else e.text, end="", flush=True)
     if args.json:
         print(json.dumps(dict(model=str(llm.path), text="".join(pieces), finish_reason=reason, **llm.stats.as_dict())))
     else:
@@ -134,6 +136,18 @@ HELP = """commands:
 Ctrl-C stops the current reply and keeps the chat. End a line with \\ to continue on the next."""
 
 
+# C0 controls but newline and tab, DEL, and the C1 range (0x9b is an 8-bit CSI to some terminals).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Model output made safe for a terminal: control characters other than newline and tab
+    shown in caret notation (ESC as ^[), so generated text cannot move the cursor, retitle the
+    window or hide what was printed."""
+    return _CONTROL.sub(lambda m: "^" + chr(ord(m.group()) ^ 0x40) if m.group() <= "\x7f"
+                        else f"\\x{ord(m.group()):02x}", text)
+
+
 def _read_message(prompt: str) -> str:
     """One message; a trailing backslash continues it on the next line."""
     lines = []
@@ -147,10 +161,12 @@ def _read_message(prompt: str) -> str:
 
 
 def _kv_line(sess) -> str:
-    llm = sess.llm
-    cache = sess.seq.cache
-    fill = max((min(lk.n_written, lk.capacity) for lk in cache.layers), default=0)
-    return (f"kv {llm.kv_type}: {fill}/{llm.n_ctx} tokens in the largest ring, {cache.nbytes / 2**20:.1f} MiB allocated, "
+    from .generate import Stats
+
+    kv = Stats()
+    kv.measure_kv(sess.seq.cache)
+    return (f"kv {sess.llm.kv_type}: {kv.kv_tokens}/{kv.kv_capacity} tokens in the largest ring, "
+            f"{kv.kv_bytes_used / 2**20:.2f} of {kv.kv_bytes / 2**20:.2f} MiB in use, "
             f"{len(sess.seq.tokens)} tokens cached")
 
 
@@ -177,56 +193,63 @@ def cmd_chat(args) -> int:
         except KeyboardInterrupt:
             print("\n(Ctrl-D or /exit to quit)")
             continue
-        cmd, _, arg = text.strip().partition(" ")
-        if cmd.startswith("/"):
-            arg = arg.strip()
-            if cmd in ("/exit", "/quit"):
-                return 0
-            elif cmd == "/help":
-                print(HELP)
-            elif cmd == "/reset":
-                sess.reset()
-                print("(conversation reset)")
-            elif cmd == "/system":
-                sess.reset(system=arg or None)
-                print("(system prompt set; conversation reset)")
-            elif cmd == "/stats":
-                st = sess.stats
-                print(f"prefill {st.prefill_tokens} of {st.prompt_tokens} prompt tokens ({st.prefill_tps:.1f} tok/s), "
-                      f"decode {st.generated_tokens} tokens ({st.decode_tps:.1f} tok/s); " + _kv_line(sess))
-            elif cmd == "/kv":
-                print(_kv_line(sess))
-            elif cmd == "/save":
-                if not arg:
-                    print("usage: /save FILE")
-                    continue
-                try:
-                    sess.save(arg)
-                    print(f"(saved to {arg})")
-                except EdgekvError as e:
-                    print(f"error: {e}")
-            elif cmd == "/load":
-                if not arg:
-                    print("usage: /load FILE")
-                    continue
-                try:
-                    sess = ChatSession.load(arg, llm)
-                    print(f"(loaded {arg}: {len(sess.history)} messages, {sess.n_cached} tokens cached)")
-                except EdgekvError as e:
-                    print(f"error: {e}")
-            else:
-                print(f"unknown command {cmd}; /help lists them")
-            continue
-        if not text.strip():
-            continue
         try:
-            for e in sess.send(text, stream=True):
-                print(e.text, end="", flush=True)
-            print(flush=True)
-        except KeyboardInterrupt:
+            sess = _chat_step(text, sess, llm, ChatSession)
+        except KeyboardInterrupt:  # mid-reply, mid-prefill or mid-command: the session stays usable
             print("\n(stopped)", flush=True)
-        except EdgekvError as e:
-            print(f"\nerror: {e}", flush=True)
+            continue
+        if sess is None:
+            return 0
+
+
+def _chat_step(text: str, sess, llm, ChatSession):
+    """One line of the chat: a slash command or a message. The session to continue with, or
+    None to exit."""
+    cmd, _, arg = text.strip().partition(" ")
+    if cmd.startswith("/"):
+        arg = arg.strip()
+        if cmd in ("/exit", "/quit"):
+            return None
+        elif cmd == "/help":
+            print(HELP)
+        elif cmd == "/reset":
+            sess.reset()
+            print("(conversation reset)")
+        elif cmd == "/system":
+            sess.reset(system=arg or None)
+            print("(system prompt set; conversation reset)")
+        elif cmd == "/stats":
+            st = sess.stats
+            print(f"prefill {st.prefill_tokens} of {st.prompt_tokens} prompt tokens ({st.prefill_tps:.1f} tok/s), "
+                  f"decode {st.generated_tokens} tokens ({st.decode_tps:.1f} tok/s); " + _kv_line(sess))
+        elif cmd == "/kv":
+            print(_kv_line(sess))
+        elif cmd in ("/save", "/load") and not arg:
+            print(f"usage: {cmd} FILE")
+        elif cmd == "/save":
+            try:
+                sess.save(arg)
+                print(f"(saved to {arg})")
+            except EdgekvError as e:
+                print(f"error: {e}")
+        elif cmd == "/load":
+            try:  # the current session stays unless the file loads completely
+                sess = ChatSession.load(arg, llm)
+                print(f"(loaded {arg}: {len(sess.history)} messages, {sess.n_cached} tokens cached)")
+            except EdgekvError as e:
+                print(f"error: {e}")
+        else:
+            print(f"unknown command {cmd}; /help lists them")
+        return sess
+    if not text.strip():
+        return sess
+    try:
+        for e in sess.send(text, stream=True):
+            print(printable(e.text), end="", flush=True)
+        print(flush=True)
+    except EdgekvError as e:
+        print(f"\nerror: {e}", flush=True)
+    return sess
 
 
 def _ints(text: str) -> list[int]:

@@ -2,6 +2,8 @@
 the `generate` iterator of events that the API, the chat and the bench share."""
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,25 +27,42 @@ class Event:
 
 @dataclass
 class Stats:
+    """Counts and timings of one generate call or chat turn (`llm.stats`, `session.stats`)."""
+
     prompt_tokens: int = 0  # tokens of this call's input
     prefill_tokens: int = 0  # of those, the ones actually computed (the rest were cached)
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    kv_tokens: int = 0  # tokens held by the largest ring after the call (at most its capacity)
+    kv_capacity: int = 0  # tokens the largest ring holds (n_ctx)
+    kv_bytes_used: int = 0  # bytes of K/V (scales included) filled after the call, all layers
+    kv_bytes: int = 0  # bytes allocated for the cache, all layers
+
+    def measure_kv(self, cache) -> None:
+        """Record how full `cache` is."""
+        self.kv_tokens = max((min(lk.n_written, lk.capacity) for lk in cache.layers), default=0)
+        self.kv_capacity = max((lk.capacity for lk in cache.layers), default=0)
+        self.kv_bytes = cache.nbytes
+        self.kv_bytes_used = sum(lk.nbytes * min(lk.n_written, lk.capacity) // lk.capacity for lk in cache.layers)
 
     @property
     def prefill_tps(self) -> float:
+        """Prefill speed, tokens/s (0 when nothing was prefilled)."""
         return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tps(self) -> float:
+        """Decode speed, tokens/s (0 when nothing was generated)."""
         return self.generated_tokens / self.decode_s if self.decode_s else 0.0
 
     def as_dict(self) -> dict:
+        """The figures as a JSON-ready dict (what `edgekv run --json` prints)."""
         return dict(prompt_tokens=self.prompt_tokens, prefill_tokens=self.prefill_tokens,
                     generated_tokens=self.generated_tokens, prefill_s=round(self.prefill_s, 4),
                     decode_s=round(self.decode_s, 4), prefill_tokens_per_s=round(self.prefill_tps, 2),
-                    decode_tokens_per_s=round(self.decode_tps, 2))
+                    decode_tokens_per_s=round(self.decode_tps, 2), kv_tokens=self.kv_tokens,
+                    kv_capacity=self.kv_capacity, kv_bytes_used=self.kv_bytes_used, kv_bytes=self.kv_bytes)
 
 
 class Sequence:
@@ -53,19 +72,50 @@ class Sequence:
         self.llm = llm
         self.cache = llm.new_cache()
         self.tokens: list[int] = []
+        self._serial = _serial_lock(llm)
 
-    def feed(self, ids: Seq[int]) -> np.ndarray:
-        """Append ids, run them through the model; the logits (n_vocab,) after the last one."""
-        try:
-            logits = self.llm.forward(ids, self.cache, len(self.tokens))
-        except BaseException:
-            # Interrupted (Ctrl-C, an error) mid-batch: some layers hold this batch, others not.
-            # Roll every layer back to the tokens we account for, so the cache stays coherent.
-            if not self.cache.trim(len(self.tokens)):
-                self.reset()
-            raise
-        self.tokens.extend(int(i) for i in ids)
+    def feed(self, ids: Seq[int], cancel: threading.Event | None = None) -> np.ndarray | None:
+        """Append ids, run them through the model; the logits (n_vocab,) after the last one.
+        Long inputs run in chunks; if `cancel` is set between two chunks, stop there and return
+        None (the chunks already run stay cached and accounted for)."""
+        if len(ids) == 1:  # decode: no chunking
+            return self._run(ids)[-1]
+        logits = None
+        for part in self._parts(ids):
+            if cancel is not None and cancel.is_set():
+                return None
+            logits = self._run(part)
         return logits[-1]
+
+    def _run(self, ids: Seq[int]) -> np.ndarray:
+        # A batch that overwrites ring slots cannot be rolled back: Ctrl-C waits until it is done.
+        wraps = any(lk.n_written + len(ids) > lk.capacity for lk in self.cache.layers)
+        with _DeferSigint() if wraps else _NO_DEFER, self._serial:
+            try:
+                logits = self.llm.forward(ids, self.cache, len(self.tokens))
+            except BaseException:
+                # Interrupted (an error) mid-batch: some layers hold this batch, others not.
+                # Roll every layer back to the tokens we account for, so the cache stays coherent.
+                if not self.cache.trim(len(self.tokens)):
+                    self.reset()
+                raise
+            self.tokens.extend(int(i) for i in ids)
+        return logits
+
+    def _parts(self, ids: Seq[int]) -> Iterator[Seq[int]]:
+        """ids in prefill chunks. A batch that wraps a ring attends over (ring, batch) and only
+        ring slots act as attention sinks, so while a ring still lacks its sinks the first chunk
+        stops where that ring is full: the sinks are stored before anything is evicted, and a
+        prompt longer than the context sees the same sinks + recent window as token-by-token."""
+        from .llm import UBATCH
+
+        n, first = len(ids), 0
+        rooms = [lk.capacity - lk.n_written for lk in self.cache.layers if lk.n_written < lk.n_sink]
+        if rooms and min(rooms) < n:
+            first = min(rooms)
+        cuts = [*range(0, first, UBATCH), *range(first, n, UBATCH), n]
+        for a, b in zip(cuts, cuts[1:]):
+            yield ids[a:b]
 
     def reuse(self, ids: Seq[int]) -> int:
         """Keep the longest cached prefix shared with ids (rolling the cache back if needed).
@@ -85,6 +135,55 @@ class Sequence:
     def reset(self) -> None:
         self.cache.reset()
         self.tokens = []
+
+
+# numba's workqueue threading layer (used when neither OpenMP nor TBB is installed) aborts the
+# process when two Python threads launch parallel kernels at once: forward passes then take turns.
+_WORKQUEUE_LOCK = threading.Lock()
+
+
+def _serial_lock(llm):
+    if getattr(llm.backend, "name", "") != "cpu":
+        return _NO_DEFER
+    import numba
+
+    return _WORKQUEUE_LOCK if numba.config.THREADING_LAYER in ("default", "workqueue") else _NO_DEFER
+
+
+def _use_backend_threads(llm) -> None:
+    """numba's thread count belongs to the calling thread: give this one the LLM's (a GUI's
+    worker thread would otherwise run on every logical core, whatever `threads=` said)."""
+    n = getattr(llm.backend, "threads", None)
+    if n:
+        import numba
+
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
+
+
+class _DeferSigint:
+    """Holds back Ctrl-C (SIGINT under Python's default handler, main thread only) for the
+    duration of a block and raises KeyboardInterrupt when it ends."""
+
+    def __enter__(self):
+        self.prev = None
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self.hit = False
+            self.prev = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc) -> None:
+        if self.prev is not None:
+            signal.signal(signal.SIGINT, self.prev)
+            if self.hit and exc[0] is None:
+                raise KeyboardInterrupt
+
+
+_NO_DEFER = contextlib.nullcontext()
 
 
 class StopMatcher:
@@ -124,13 +223,20 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
     max_tokens, yielding an Event per token; the last event carries finish_reason."""
     if not prompt_ids:
         raise EdgekvError("empty prompt: nothing to continue from")
+    _use_backend_threads(llm)
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()
     cached = seq.reuse(prompt_ids)
-    logits = seq.feed(prompt_ids[cached:])
-    stats.prefill_tokens = len(prompt_ids) - cached
-    stats.prefill_s = time.perf_counter() - t0
+    try:
+        logits = seq.feed(prompt_ids[cached:], cancel)
+    finally:
+        stats.prefill_tokens = len(seq.tokens) - cached
+        stats.prefill_s = time.perf_counter() - t0
+        stats.measure_kv(seq.cache)
+    if logits is None:  # cancelled between prefill chunks
+        yield Event("", None, "cancelled")
+        return
     t0 = time.perf_counter()
     detok = llm.tokenizer.stream()
     stopper = StopMatcher(stop)
@@ -155,6 +261,7 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
             yield Event(text, tok)
     finally:
         stats.decode_s = time.perf_counter() - t0
+        stats.measure_kv(seq.cache)
     tail = ""
     if not hit:  # release what was held back: an incomplete stop string, trailing bytes
         tail, hit = stopper.push(detok.flush())

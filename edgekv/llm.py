@@ -19,7 +19,16 @@ UBATCH = 512  # prefill chunk: bounds activation memory, and the attention worki
 
 
 class LLM:
-    """A model ready to run. Create with `edgekv.load`."""
+    """A model ready to run. Create with `edgekv.load`.
+
+    Threading: the weights, tokenizer and template are read-only once loaded, so one LLM
+    serves several threads at once, each generating through its own cache: one
+    `llm.session()` per thread, or `generate`/`complete`/`chat` calls (each call has its own
+    cache and sampler). A ChatSession is for one thread at a time (its turns take a lock).
+    Outputs do not depend on what other threads run: same seed, same text. `llm.stats` is
+    the last call started by any thread; use `session.stats`, or pass `stats=` to generate,
+    to read one thread's figures. Cancel from any thread with a threading.Event (`cancel=`).
+    """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
                  device: str = "cpu", n_sink: int = 4, gpu_layers: int | None = None):
@@ -77,6 +86,7 @@ class LLM:
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
     def detokenize(self, ids, special: bool = True) -> str:
+        """The text of token ids (special=False drops control tokens such as BOS/EOS)."""
         return self.tokenizer.decode(ids, special=special)
 
     def logits(self, ids) -> np.ndarray:
@@ -87,30 +97,50 @@ class LLM:
         return self.forward(ids, self.new_cache(), 0, last_only=False)
 
     def sampling(self, **kw) -> "SamplingParams":
+        """Validated sampling parameters from generate()'s sampling keywords (EdgekvError if bad)."""
         from .sampling import SamplingParams
 
         params = SamplingParams(**kw)
         params.validate()
         return params
 
-    def generate(self, prompt: str | list[int], *, max_tokens: int = 256, stop: list[str] | tuple = (),
-                 cancel=None, add_bos: bool | None = None, **sampling) -> Iterator[Event]:
+    def generate(self, prompt: str | bytes | list[int], *, max_tokens: int = 256, stop: list[str] | tuple = (),
+                 cancel=None, add_bos: bool | None = None, stats=None, **sampling) -> Iterator[Event]:
         """Stream a continuation of `prompt` (text, or token ids) as Events; the last event has
         `finish_reason` ("stop", "length" or "cancelled"). Sampling keywords: temperature,
         top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
-        penalty_last_n, logit_bias, seed (see edgekv.sampling.SamplingParams)."""
+        penalty_last_n, logit_bias, seed (see edgekv.sampling.SamplingParams).
+
+        Inputs: bytes are decoded as UTF-8 with invalid sequences replaced by U+FFFD, and so
+        are lone surrogates in a str; control characters are ordinary text. A prompt that
+        tokenizes to nothing (e.g. "" for a model without BOS) raises EdgekvError.
+        Context: the cache is a ring of n_ctx tokens. A prompt longer than that is not an
+        error: as in StreamingLLM (and mlx-lm's max_kv_size), the model keeps attending to the
+        first 4 tokens (sinks) and the most recent ones, and the rest drop out of view; the
+        same happens when generation runs past n_ctx. Generation ends only at EOS, a stop
+        string, `max_tokens` ("length") or `cancel`. `cancel` (a threading.Event) is checked
+        before every token and between prefill chunks of 512 tokens.
+        `stats`: a generate.Stats to fill (default: a new one); it also becomes `llm.stats`."""
         from .generate import Sequence, Stats, generate
         from .sampling import Sampler
 
         params = self.sampling(**sampling)
-        ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_bos=add_bos)
+        if isinstance(prompt, (bytes, bytearray)):  # bytes are text, not token ids
+            prompt = bytes(prompt).decode("utf-8", errors="replace")
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt, add_bos=add_bos)
+        else:
+            try:
+                ids = [int(i) for i in prompt]
+            except (TypeError, ValueError):
+                raise EdgekvError("prompt must be text or a list of token ids") from None
         if not ids:
             raise EdgekvError("empty prompt: nothing to continue from")
         if max_tokens < 0:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
-        self.stats = Stats()
+        self.stats = stats = stats if stats is not None else Stats()
         yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
-                            stop=stop, cancel=cancel, stats=self.stats)
+                            stop=stop, cancel=cancel, stats=stats)
 
     def chat_ids(self, rendered: str) -> list[int]:
         """Token ids of a rendered chat prompt: special tokens parsed, and BOS added only when
@@ -127,7 +157,10 @@ class LLM:
 
         ids = self.chat_ids(self.template.render(messages, add_generation_prompt=True))
         head = dict(id="chatcmpl-" + uuid.uuid4().hex[:24], created=int(_time.time()), model=self.path.name)
-        events = self.generate(ids, max_tokens=max_tokens, **kw)
+        from .generate import Stats
+
+        st = Stats()  # ours: llm.stats may be another thread's call by the time we read it
+        events = self.generate(ids, max_tokens=max_tokens, stats=st, **kw)
         if stream:
             def chunks():
                 yield dict(head, object="chat.completion.chunk",
@@ -141,7 +174,6 @@ class LLM:
         for e in events:
             parts.append(e.text)
             reason = e.finish_reason or reason
-        st = self.stats
         return dict(head, object="chat.completion",
                     choices=[dict(index=0, message={"role": "assistant", "content": "".join(parts)}, finish_reason=reason)],
                     usage=dict(prompt_tokens=st.prompt_tokens, completion_tokens=st.generated_tokens,

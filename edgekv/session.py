@@ -37,6 +37,7 @@ class ChatSession:
         self._cached_text: str | None = None  # the text seq.tokens stands for, when known
 
     def messages(self) -> list[dict]:
+        """The conversation as the template sees it: the system prompt (if any), then history."""
         sys = [{"role": "system", "content": self.system}] if self.system else []
         return sys + self.history
 
@@ -53,7 +54,13 @@ class ChatSession:
 
     def send(self, text: str, *, stream: bool = False, max_tokens: int | None = None,
              stop: list[str] | tuple = (), cancel: threading.Event | None = None):
-        """Add a user message and answer it: the reply text, or (stream=True) an iterator of Events."""
+        """Add a user message and answer it: the reply text, or (stream=True) an iterator of Events.
+        Inputs and context as in `LLM.generate` (bytes decoded as UTF-8 with U+FFFD for invalid
+        sequences; a conversation longer than n_ctx keeps going through the ring). `cancel`
+        (a threading.Event) ends the reply within one token; what was said so far becomes the
+        assistant's turn and the session stays usable."""
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", errors="replace")
         if not isinstance(text, str):
             raise EdgekvError("message must be a string")
         events = self._turn(text, max_tokens or self.max_tokens, stop, cancel)
@@ -64,23 +71,31 @@ class ChatSession:
             self.history.append({"role": "user", "content": text})
             try:
                 ids = self._prompt_ids()
-            except Exception:
+                rendered = self.llm.template.render(self.messages(), add_generation_prompt=True)
+            except BaseException:  # Ctrl-C too: a user turn without a reply would break alternation
                 self.history.pop()
                 raise
             self.stats = Stats()
             reply = []
             self._cached_text = None
-            rendered = self.llm.template.render(self.messages(), add_generation_prompt=True)
+            finished = False
             try:
                 for e in generate(self.llm, self.seq, ids, self.sampler, max_tokens=max_tokens, stop=stop,
                                   cancel=cancel, stats=self.stats):
                     reply.append(e.text)
                     yield e
+                finished = True
             finally:
                 # Whatever was produced (even if cancelled) becomes the assistant's turn.
-                self.history.append({"role": "assistant", "content": "".join(reply)})
                 fed = self.seq.tokens[len(ids):]
-                if self.seq.tokens[: len(ids)] == ids:
+                whole = self.seq.tokens[: len(ids)] == ids
+                if not finished and whole:
+                    # Cut off (Ctrl-C, the stream dropped): text the decoder still held back
+                    # never reached `reply`; the reply is what the cache holds, so the next
+                    # turn still extends the cached text (a wrapped ring cannot roll back).
+                    reply = [self.llm.tokenizer.decode(fed)]
+                self.history.append({"role": "assistant", "content": "".join(reply)})
+                if whole:
                     self._cached_text = rendered + self.llm.tokenizer.decode(fed)
 
     def regenerate(self, **kw):
@@ -101,6 +116,7 @@ class ChatSession:
 
     @property
     def n_cached(self) -> int:
+        """Tokens of the conversation held by the cache (may exceed n_ctx: the ring keeps the recent ones)."""
         return len(self.seq.tokens)
 
     # -- save / load -----------------------------------------------------------------
@@ -126,6 +142,7 @@ class ChatSession:
             np.savez(body, **arrays)
             blob = json.dumps(header).encode()
             path = Path(path)
+            tmp = None
             try:
                 fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
                 with os.fdopen(fd, "wb") as f:
@@ -134,12 +151,15 @@ class ChatSession:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-            except OSError as e:
-                try:
-                    os.unlink(tmp)
-                except (OSError, UnboundLocalError):
-                    pass
-                raise SessionFileError(f"cannot save session to {path}: {e.strerror or e}") from None
+            except BaseException as e:  # a full disk, or Ctrl-C mid-write: no stray temp file
+                if tmp is not None:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                if isinstance(e, OSError):
+                    raise SessionFileError(f"cannot save session to {path}: {e.strerror or e}") from None
+                raise
 
     @classmethod
     def load(cls, path: str | os.PathLike, llm) -> "ChatSession":
