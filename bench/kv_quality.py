@@ -124,7 +124,7 @@ def markdown(report: dict) -> str:
         for kind, m in r["llama.cpp"].items():
             rows.append(f"| {key} | llama.cpp {kind} | {bits[kind]} | {m['mean_kl']:.5f} | {m['p99_kl']:.4f} | "
                         f"{100 * m['top1_agreement']:.1f}% | - |")
-    rows += ["", "| model | cache | bytes/token (all layers, K+V, scales) | x f16 | fixed (exact recent slots) |",
+    rows += ["", "| model | cache | bytes/token (all layers, K+V, scales) | x f16 | fixed (exact first + recent tokens) |",
              "| --- | --- | --- | --- | --- |"]
     for key, r in report.items():
         for kind, b in r["bytes"].items():
