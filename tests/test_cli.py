@@ -3,6 +3,7 @@ through a pseudo-terminal (typing, Ctrl-C mid-reply, /save and /load, Ctrl-D).""
 import json
 import os
 import pty
+import re
 import select
 import sys
 import time
@@ -126,4 +127,29 @@ def test_chat_in_a_terminal(tmp_path):
     assert "kv f16" in t.read_until("tokens cached")
     t.read_until("> ")
     t.send("\x04")  # Ctrl-D exits cleanly
+    assert t.wait() == 0
+
+
+def test_int4_chat_runs_far_past_the_ring():
+    """`edgekv chat --kv int4 --ctx 512`: a conversation of well over 512 tokens keeps going
+    through the ring buffer (sinks + most recent tokens), turn after turn, without an error."""
+    env = dict(os.environ, TERM="dumb", PYTHONUNBUFFERED="1")
+    t = Terminal([sys.executable, "-m", "edgekv.cli", "chat", str(model_path("smollm2")), "--temp", "0",
+                  "--kv", "int4", "--ctx", "512", "-n", "160"], env)
+    t.read_until("/help for commands")
+    t.read_until("> ")
+    topics = ["the sea", "a mountain village", "a clockmaker", "the first winter on Mars", "a lost violin"]
+    for topic in topics:
+        t.send(f"Tell me a long story about {topic}.\r")
+        t.read_until("story about")
+        reply = t.read_until("> ", timeout=300)
+        assert "Traceback" not in reply and "edgekv: " not in reply, reply  # no error line
+    t.send("/kv\r")
+    line = t.read_until("tokens cached")
+    m = re.search(r"kv int4: (\d+)/(\d+) tokens in the largest ring.* (\d+) tokens cached", line)
+    assert m, line
+    in_ring, capacity, cached = map(int, m.groups())
+    assert capacity == 512 and in_ring == 512 and cached > 800  # the chat has wrapped the ring
+    t.read_until("> ")
+    t.send("\x04")
     assert t.wait() == 0
