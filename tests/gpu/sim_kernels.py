@@ -168,7 +168,14 @@ def test_kv_store_load_bytes_match_numpy(kind):
     if kind == "f16":
         np.testing.assert_array_equal(dq.copy_to_host()[slots], xr.astype(np.float16).view(np.uint16))
     else:
-        qref, sref = quantize(kind, xr)
+        if kind == "int4":  # the GPU keeps llama.cpp's q4_0 step; the CPU kernel's q4_0 rule is the oracle
+            from edgekv.kernels_cpu import kvquant as ckv
+
+            qa, sa = ckv.kv_arrays("int4", cap, nkv, hd)
+            ckv.kv_store("int4", np.ascontiguousarray(xr), qa, sa, slots, False, int4_scale="q4_0")
+            qref, sref = qa[slots], sa[slots]
+        else:
+            qref, sref = quantize(kind, xr)
         np.testing.assert_array_equal(dq.copy_to_host()[slots], qref.view(np.uint8))
         np.testing.assert_array_equal(ds.copy_to_host()[slots], sref.view(np.uint16))
     back = gkv.kv_load(kind, ring, cuda.to_device(slots), nkv, hd, rotate).copy_to_host()
