@@ -42,7 +42,11 @@ def _chat(*extra) -> Terminal:
 
 
 def _mapped(pid: int, path) -> bool:
+    """The child (after exec: before it, the maps are a copy of ours) has the file mapped."""
     try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"edgekv.cli" not in f.read():
+                return False
         with open(f"/proc/{pid}/maps") as f:
             return str(path) in f.read()
     except OSError:
