@@ -55,11 +55,17 @@ def main() -> int:
         (ops._copy2d_kernel, (strided, a(f32, 2, 4))),
         (qm._rows_kernel, (a(u8, 2, 18), a(f32, 1, 1), a(u16, 1, 1), 2, a(i64, 2), 32, a(f32, 2, 32))),
         (kv._hadamard_kernel, (a(f32, 2, 32), 32)),
-        (kv._store_kernel, (1, a(f32, 2, 1, 32), a(i64, 2), a(i64, 2), True, 32, *ring)),
+        (kv._kv_space_kernel, (a(f32, 1, 2, 32), a(f32, 1, 1, 32), a(f32, 1, 32), a(f32, 1, 32), 32,
+                               a(f32, 1, 2, 32), a(f32, 1, 1, 32))),
+        (kv._sink_bias_kernel, (a(f32, 1, 2, 32), a(f32, 1, 2, 32), a(f32, 1, 32), a(f32, 1, 2))),
+        (kv._store_kernel, (1, a(f32, 2, 1, 32), a(i64, 2), a(i64, 2), True, 32, 2, *ring)),
+        (kv._f16_rows_kernel, (a(f32, 2, 1, 32), a(f32, 2, 1, 32), a(i64, 2), a(i64, 2), a(u16, 4, 1, 32),
+                               a(u16, 4, 1, 32))),
         (kv._set_pos_kernel, (a(i64, 4), a(i64, 2), a(i64, 2))),
         (kv._load_kernel, (1, *ring, a(i64, 2), a(f32, 2, 1, 32))),
         (kv._attn_kernel, (1, a(f32, 1, 2, 32), a(f32, 1, 2, 32), a(i64, 1), *ring, *ring, a(i64, 2), 2, 0,
-                           a(f32, 1, 1, 32), a(f32, 1, 1, 32), a(i64, 1), f32(0.1), 0, a(f32, 1, 2, 32))),
+                           a(f32, 1, 1, 32), a(f32, 1, 1, 32), a(i64, 1), a(u16, 4, 1, 32), a(u16, 4, 1, 32),
+                           a(i64, 4), 2, 0, 4, True, a(f32, 1, 2), f32(0.1), 0, a(f32, 1, 2, 32))),
     ]
     for qt in qm.SUPPORTED:
         for tok in (1, 8):

@@ -18,6 +18,14 @@ def blocks(n: int, per: int) -> int:
     return max(1, (n + per - 1) // per)
 
 
+def elementwise(n: int) -> tuple[int, int]:
+    """(blocks, threads per block) for n independent elements: blocks of ELEMWISE, or one block of
+    n when fewer (a decode step stores one row per kv head; under the simulator each idle thread
+    is a Python thread started for nothing)."""
+    t = max(1, min(ELEMWISE, n))
+    return blocks(n, t), t
+
+
 def threads(n: int | None = None) -> int:
     """Threads per block for a row-parallel kernel: THREADS, a power of two, at most MAX_THREADS."""
     t = min(THREADS, MAX_THREADS)

@@ -252,7 +252,7 @@ def rope(x, pos, inv_freq, neox: bool):
         raise ValueError(f"rope: pos {pos.dtype}{pos.shape} must be int64 ({n},), inv_freq float64 of at most {hd // 2}")
     total = n * nh * inv_freq.shape[0]
     if total:
-        _launch(_rope_kernel, blocks(total, launch.ELEMWISE), launch.ELEMWISE, x, pos, inv_freq, bool(neox))
+        _launch(_rope_kernel, *launch.elementwise(total), x, pos, inv_freq, bool(neox))
     return x
 
 
@@ -283,7 +283,7 @@ def add_(a, b):
     if a.shape != b.shape:
         raise ValueError(f"add_: shapes {a.shape} and {b.shape} differ")
     if a.size:
-        _launch(_add_kernel, blocks(a.size, launch.ELEMWISE), launch.ELEMWISE, a.reshape(a.size), b.reshape(b.size))
+        _launch(_add_kernel, *launch.elementwise(a.size), a.reshape(a.size), b.reshape(b.size))
     return a
 
 
@@ -291,7 +291,7 @@ def scale_(a, s: float):
     """a *= s in place (C-contiguous float32). Returns a."""
     _f32("scale_", a)
     if a.size:
-        _launch(_scale_kernel, blocks(a.size, launch.ELEMWISE), launch.ELEMWISE, a.reshape(a.size), np.float32(s))
+        _launch(_scale_kernel, *launch.elementwise(a.size), a.reshape(a.size), np.float32(s))
     return a
 
 

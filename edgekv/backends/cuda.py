@@ -6,12 +6,15 @@ Where things live:
   fused weights stacked into one device array, so QKV is one launch).
 - Activations: `DeviceArray`, a numba device array with the few numpy-like operations the
   model files use (column slices, reshape, `+=` a bias, `*=` a scalar).
-- KV rings: a device copy of each LayerKV's arrays, made at its first attention. The host
-  LayerKV stays the bookkeeper (positions, write cursor, trim, reset); the device keeps its own
-  copy of `pos`, updated by the store kernel, and re-uploaded only when the host's changed
-  behind its back (trim, reset). `sync_to_host` copies the rings back (saving a session).
-- Host crossings per decode step: the token id and position in; slot indices (one small
-  upload, shared by all layers of one ring size); the logits out. The interface hands the
+- KV rings: a device copy of each LayerKV's arrays, made at its first attention: the ring, the
+  exact first/recent copies (rk, rv, rpos) and, for int kinds, the key offset mu and channel
+  weights kmul. The host LayerKV stays the bookkeeper (positions, write cursor, trim, reset,
+  rpos, and mu/kmul: `LayerKV.calibrate` runs on the host on a copy of the first batch's q and
+  k, once per sequence, and the result goes up); the device keeps its own copies of `pos` and
+  `rpos`, updated by kernels, and re-uploaded only when the host's changed behind its back
+  (trim, reset). `sync_to_host` copies the rings and exact copies back (saving a session).
+- Host crossings per decode step: the token id and position in; slot indices of the ring and
+  of the exact slots (small uploads, shared by all layers of one ring size); the logits out. The interface hands the
   sampler host logits, so the vocabulary projection (the GGUF's output.weight, or
   token_embd.weight when tied) is the one matmul whose result is copied back.
 Nothing here is imported unless a CUDA device is asked for.
@@ -158,8 +161,9 @@ class _Placed:
 
 @dataclass
 class _Ring:
-    """Device copy of one LayerKV: K and V as kernels_gpu.kvquant (h, b, s) triples, pos, and the
-    host pos it last agreed with."""
+    """Device copy of one LayerKV: K and V as kernels_gpu.kvquant (h, b, s) triples, pos, the
+    exact copies (rk, rv half bits, rpos), mu and kmul, and the host pos / rpos they last
+    agreed with."""
     K: tuple
     V: tuple
     k: object
@@ -168,6 +172,12 @@ class _Ring:
     vs: object
     pos: object
     shadow: np.ndarray
+    rk: object  # uint16 (first + recent, Hkv, hd)
+    rv: object
+    rpos: object  # int64 (first + recent,)
+    rshadow: np.ndarray
+    mu: object  # float32 (Hkv, hd)
+    kmul: object
     owner: object
 
 
@@ -349,6 +359,9 @@ class CUDABackend:
         return DeviceArray(ad)
 
     def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple):
+        """The CPU backend's attention step (edgekv/backends/cpu.py) on the device: keys moved
+        into the ring's key space (int kinds), the batch stored before or after it attends, its
+        last tokens kept exact."""
         if not isinstance(q, DeviceArray):
             return self.cpu.attention(q, q_pos, kv, self._host(k), self._host(v), scale, rope)
         kq, ops = self.kvq, self.ops
@@ -357,46 +370,80 @@ class CUDABackend:
         qd, kd, vd = q.contiguous(), self._dev(k), self._dev(v)
         dpos = self._ints(q_pos)
         shift = kv.sink_shift(q_pos)
-        q_sink = None
+        q_sink = sb = None
         if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
             base, neox, n_rot, rscale = rope
             q_sink = ops.rope(_dcopy(qd), self._ints(-shift), self._freqs(base, n_rot, rscale), neox)
-        if kv.rotated:  # rotate a copy: the caller's q stays as it was
-            qd = kq.hadamard_(_dcopy(qd))
+            if kv.rotated:
+                sb = kq.sink_bias(qd, q_sink, r.mu)
+        if kv.rotated:  # new arrays: the caller's q stays as it was
+            if kv.n_written == 0:  # an empty ring: the key offset and channel weights, on the host
+                kv.calibrate(qd.copy_to_host(), kd.copy_to_host())
+                r.mu.copy_to_device(kv.mu)
+                r.kmul.copy_to_device(kv.kmul)
             if q_sink is not None:
-                kq.hadamard_(q_sink)
-        if kv.write_first(n):
-            self._store(kv, r, kd, vd, q_pos)
+                q_sink = kq.kv_space(q_sink, None, r.mu, r.kmul)[0]
+            qd, ks = kq.kv_space(qd, kd, r.mu, r.kmul)
+        else:
+            ks = kd  # (n, Hkv, hd) as the ring stores keys
+        e0 = kv.exact_lo(q_pos)  # before this batch lands in the exact slots
+        first = kv.write_first(n)
+        if first:
+            self._store(kv, r, ks, vd, q_pos)
+        if not first or kv.recent > 0:  # the batch exact: all of it while not stored, else for the recent rule
+            fk, fv, fpos = ks, vd, dpos
+        else:
             fk = fv = self.cuda.device_array((0,) + tuple(kd.shape[1:]), np.float32)
             fpos = self._ints(q_pos[:0])
-        else:  # attend over (ring, this batch), then store
-            fk = kq.hadamard_(_dcopy(kd)) if kv.rotated else kd
-            fv, fpos = vd, dpos
         n_ring = min(kv.n_written, kv.capacity)  # a ring fills from slot 0: later slots are empty
         out = kq.kv_attention(kv.kind, qd, q_sink, dpos, r.K, r.V, r.pos, n_ring, kv.n_sink, fk, fv, fpos, scale,
-                              kv.span)
-        if fk.shape[0]:
-            self._store(kv, r, kd, vd, q_pos)
+                              kv.span, recent_k=r.rk, recent_v=r.rv, recent_pos=r.rpos, recent=kv.recent,
+                              exact_lo=e0, first=kv.first, fresh_all=not first, sink_bias=sb)
+        if not first:  # attended over (ring, this batch): now store it
+            self._store(kv, r, ks, vd, q_pos)
+        self._write_recent(kv, r, ks, vd, q_pos)
         return DeviceArray(out)
 
     def _store(self, kv: LayerKV, r: _Ring, k, v, pos: np.ndarray) -> None:
+        """k (n, Hkv, hd) already in the ring's key space."""
         sel, slots = kv.last_writers(len(pos))
         m = len(sel)
         idx = self._ints(np.concatenate([sel, slots, pos[sel]]))  # one upload: rows, slots, positions
         rows, dslots, vals = idx[0:m], idx[m : 2 * m], idx[2 * m : 3 * m]
-        self.kvq.kv_store(kv.kind, k, r.K, rows, dslots, kv.rotated)
+        self.kvq.kv_store(kv.kind, k, r.K, rows, dslots, False)
         self.kvq.kv_store(kv.kind, v, r.V, rows, dslots, False)
         self.kvq.set_pos(r.pos, dslots, vals)
         kv.pos[slots] = pos[sel]
         kv.n_written += len(pos)
         r.shadow[slots] = pos[sel]
 
+    def _write_recent(self, kv: LayerKV, r: _Ring, k, v, pos: np.ndarray) -> None:
+        """LayerKV.write_recent on the device: the first positions keep rows of their own, the
+        batch's last `recent` tokens go to row first + pos % recent; the host keeps rpos."""
+        if not kv.recent:
+            return
+        if len(pos) == 1:
+            p = int(pos[0])
+            rows = np.zeros(1, np.int64)
+            dst = np.array([p if p < kv.first else kv.first + p % kv.recent], np.int64)
+        else:
+            head = np.flatnonzero(pos < kv.first)
+            tail = np.flatnonzero(pos >= kv.first)[-kv.recent:]
+            rows = np.concatenate([head, tail])
+            dst = np.concatenate([pos[head], kv.first + pos[tail] % kv.recent])
+        m = len(rows)
+        idx = self._ints(np.concatenate([rows, dst, pos[rows]]))
+        self.kvq.store_f16_rows(k, v, idx[0:m], idx[m : 2 * m], r.rk, r.rv)
+        self.kvq.set_pos(r.rpos, idx[m : 2 * m], idx[2 * m : 3 * m])
+        kv.rpos[dst] = pos[rows]
+        r.rshadow[dst] = pos[rows]
+
     def _ring(self, kv: LayerKV) -> _Ring:
         """The device copy of kv (made from the host arrays on first use), its positions brought
         up to date when the host changed them (trim, reset)."""
         r = kv.__dict__.get("_cuda_ring")
         if r is None or r.owner is not self:
-            if kv.n_written == 0 and (kv.pos < 0).all():
+            if kv.n_written == 0 and (kv.pos < 0).all() and (kv.rpos < 0).all():
                 # an empty ring: allocate only (attention reads a slot only once it is written)
                 up = lambda a: self.cuda.device_array(a.shape, a.dtype)  # noqa: E731
             else:
@@ -404,12 +451,18 @@ class CUDABackend:
             k = up(kv.k.view(np.uint16) if kv.kind == "f16" else kv.k.view(np.uint8))
             v = up(kv.v.view(np.uint16) if kv.kind == "f16" else kv.v.view(np.uint8))
             ks, vs = up(kv.k_scale.view(np.uint16)), up(kv.v_scale.view(np.uint16))
+            to = self.cuda.to_device
             r = _Ring(self.kvq.ring_arrays(kv.kind, k, ks), self.kvq.ring_arrays(kv.kind, v, vs), k, v, ks, vs,
-                      self.cuda.to_device(kv.pos), kv.pos.copy(), self)
+                      to(kv.pos), kv.pos.copy(), up(kv.rk.view(np.uint16)), up(kv.rv.view(np.uint16)), to(kv.rpos),
+                      kv.rpos.copy(), to(kv.mu), to(kv.kmul), self)
             kv.__dict__["_cuda_ring"] = r  # lives and dies with the LayerKV
-        elif not np.array_equal(r.shadow, kv.pos):
-            r.pos.copy_to_device(kv.pos)
-            r.shadow[:] = kv.pos
+        else:
+            if not np.array_equal(r.shadow, kv.pos):
+                r.pos.copy_to_device(kv.pos)
+                r.shadow[:] = kv.pos
+            if not np.array_equal(r.rshadow, kv.rpos):
+                r.rpos.copy_to_device(kv.rpos)
+                r.rshadow[:] = kv.rpos
         return r
 
     def sync_to_host(self, cache) -> None:
@@ -425,3 +478,8 @@ class CUDABackend:
                 empty = kv.pos < 0  # never written on the device: whatever the allocation held
                 for a in (kv.k, kv.v) + ((kv.k_scale, kv.v_scale) if kv.kind != "f16" else ()):
                     a[empty] = 0
+                if kv.rk.shape[0]:  # the exact copies (rpos and mu, kmul are kept on the host)
+                    r.rk.copy_to_host(kv.rk.view(np.uint16))
+                    r.rv.copy_to_host(kv.rv.view(np.uint16))
+                    kv.rk[kv.rpos < 0] = 0
+                    kv.rv[kv.rpos < 0] = 0

@@ -7,7 +7,6 @@ sim_*.py keep these out of the normal collection, which has no simulator.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 import pytest
 from gguf.quants import dequantize
@@ -152,30 +151,31 @@ def _ring(kind, cap, nkv, hd):
     return q, s, dq, ds
 
 
-@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
-def test_kv_store_load_bytes_match_numpy(kind):
-    """Stored bytes equal the numpy reference quantizer's (kvcache.quantize of the rotated rows)."""
+@pytest.mark.parametrize("kind,rule", [("f16", "fit"), ("int8", "fit"), ("int4", "fit"), ("int4", "q4_0"),
+                                       ("int4", "absmax")])
+def test_kv_store_load_bytes_match_cpu(kind, rule):
+    """Stored bytes equal the CPU kernel's (kernels_cpu.kvquant.kv_store with the same int4 step
+    rule; "fit" is the cache's), and for int8 the numpy reference quantizer's too."""
     rng = np.random.default_rng(2)
     cap, nkv, hd = 5, 2, 64
     x = rng.standard_normal((3, nkv, hd)).astype(np.float32)
     x[0, 0, :32] = 0.0  # an all-zero group: scale 0
+    x[2, 1, 32:] *= 40.0  # a group of large values beside small ones
     rows, slots = np.array([0, 2], np.int64), np.array([4, 1], np.int64)
     rotate = kind != "f16"
     _, _, dq, ds = _ring(kind, cap, nkv, hd)
     ring = gkv.ring_arrays(kind, dq, ds)
-    gkv.kv_store(kind, cuda.to_device(x), ring, cuda.to_device(rows), cuda.to_device(slots), rotate)
-    xr = hadamard(x[rows]) if rotate else x[rows]
+    gkv.kv_store(kind, cuda.to_device(x), ring, cuda.to_device(rows), cuda.to_device(slots), rotate, int4_scale=rule)
+    xr = ckv.hadamard_(np.ascontiguousarray(x[rows])) if rotate else x[rows]  # the kernels' rotation, bit for bit
     if kind == "f16":
         np.testing.assert_array_equal(dq.copy_to_host()[slots], xr.astype(np.float16).view(np.uint16))
     else:
-        if kind == "int4":  # the GPU keeps llama.cpp's q4_0 step; the CPU kernel's q4_0 rule is the oracle
-            from edgekv.kernels_cpu import kvquant as ckv
-
-            qa, sa = ckv.kv_arrays("int4", cap, nkv, hd)
-            ckv.kv_store("int4", np.ascontiguousarray(xr), qa, sa, slots, False, int4_scale="q4_0")
-            qref, sref = qa[slots], sa[slots]
-        else:
-            qref, sref = quantize(kind, xr)
+        qa, sa = ckv.kv_arrays(kind, cap, nkv, hd)
+        ckv.kv_store(kind, np.ascontiguousarray(x[rows]), qa, sa, slots, True, int4_scale=rule)
+        qref, sref = qa[slots], sa[slots]
+        if rule == "fit":  # and the numpy reference of the cache's layout
+            np.testing.assert_array_equal(quantize(kind, xr)[0].view(np.uint8), qref.view(np.uint8))
+            np.testing.assert_array_equal(quantize(kind, xr)[1], sref)
         np.testing.assert_array_equal(dq.copy_to_host()[slots], qref.view(np.uint8))
         np.testing.assert_array_equal(ds.copy_to_host()[slots], sref.view(np.uint16))
     back = gkv.kv_load(kind, ring, cuda.to_device(slots), nkv, hd, rotate).copy_to_host()
@@ -187,6 +187,52 @@ def test_kv_store_load_bytes_match_numpy(kind):
     dpos = cuda.to_device(np.full(cap, -1, np.int64))
     gkv.set_pos(dpos, cuda.to_device(slots), cuda.to_device(np.array([10, 11], np.int64)))
     np.testing.assert_array_equal(dpos.copy_to_host(), [-1, 11, -1, -1, 10])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_key_space_store_bits_match_cpu(kind):
+    """kv_space (H(q / kmul), H((k - mu) kmul)) bit for bit as the CPU kernel's, the keys it makes
+    stored (fitted int4 steps) into the CPU kernel's bytes; the sink bias as LayerKV.sink_bias;
+    the exact f16 copies as numpy's astype."""
+    from edgekv.kvcache import new_layer
+
+    rng = np.random.default_rng(6)
+    n, nh, nkv, hd = 3, 4, 2, 64
+    q = rng.standard_normal((n, nh, hd)).astype(np.float32)
+    k = (rng.standard_normal((n, nkv, hd)) + 3.0 * rng.standard_normal(hd)).astype(np.float32)  # a shared offset
+    q_sink = rng.standard_normal((n, nh, hd)).astype(np.float32)
+    lk = new_layer(kind, 8, nkv, hd, 2, 0)
+    lk.calibrate(q, k)  # mu = the mean key, kmul from the queries' and keys' channel sizes
+    assert lk.mu.any() and not np.allclose(lk.kmul, 1.0)
+    qo_c, ko_c = ckv.kv_space(q, k, lk.mu, lk.kmul)
+    dmu, dkmul = cuda.to_device(lk.mu), cuda.to_device(lk.kmul)
+    qo, ko = gkv.kv_space(cuda.to_device(q), cuda.to_device(k), dmu, dkmul)
+    np.testing.assert_array_equal(qo.copy_to_host(), qo_c)
+    np.testing.assert_array_equal(ko.copy_to_host(), ko_c)
+    qs_only, none = gkv.kv_space(cuda.to_device(q_sink), None, dmu, dkmul)  # queries alone
+    assert none is None
+    np.testing.assert_array_equal(qs_only.copy_to_host(), ckv.kv_space(q_sink, k, lk.mu, lk.kmul)[0])
+
+    _, _, dq, ds = _ring(kind, 4, nkv, hd)
+    slots = np.array([3, 0, 2], np.int64)
+    gkv.kv_store(kind, ko, gkv.ring_arrays(kind, dq, ds), cuda.to_device(np.arange(n, dtype=np.int64)),
+                 cuda.to_device(slots), False)
+    qa, sa = ckv.kv_arrays(kind, 4, nkv, hd)
+    ckv.kv_store(kind, ko_c, qa, sa, slots, False)
+    np.testing.assert_array_equal(dq.copy_to_host(), qa.view(np.uint8))
+    np.testing.assert_array_equal(ds.copy_to_host(), sa.view(np.uint16))
+
+    sb = gkv.sink_bias(cuda.to_device(q), cuda.to_device(q_sink), dmu).copy_to_host()
+    np.testing.assert_allclose(sb, lk.sink_bias(q, q_sink), rtol=1e-5, atol=1e-5)
+
+    rk = cuda.to_device(np.zeros((5, nkv, hd), np.uint16))
+    rv = cuda.to_device(np.zeros((5, nkv, hd), np.uint16))
+    rows, dst = np.array([2, 0], np.int64), np.array([4, 1], np.int64)
+    gkv.store_f16_rows(ko, cuda.to_device(k), cuda.to_device(rows), cuda.to_device(dst), rk, rv)
+    want_k, want_v = np.zeros((5, nkv, hd), np.float16), np.zeros((5, nkv, hd), np.float16)
+    want_k[dst], want_v[dst] = ko_c[rows], k[rows]
+    np.testing.assert_array_equal(rk.copy_to_host(), want_k.view(np.uint16))
+    np.testing.assert_array_equal(rv.copy_to_host(), want_v.view(np.uint16))
 
 
 @pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
@@ -221,6 +267,52 @@ def test_kv_attention_matches_cpu_kernel(kind):
         got = gkv.kv_attention(kind, up(q), up(q_sink), up(q_pos), dk, dv, up(pos), cap, 2, up(ffk), up(ffv), up(ffp),
                                0.3, window).copy_to_host()
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+def test_kv_attention_exact_copies_match_cpu_kernel(kind):
+    """Exact first/recent copies beside the ring (ring slots hidden for those positions, sinks'
+    copies scored with q_sink plus the sink bias, fresh keys all seen or only under the recent
+    rule, fresh keys at sink positions scored as sinks): kernels_cpu.kvquant.kv_attention's numbers."""
+    rng = np.random.default_rng(7)
+    cap, nkv, nh, hd, n_sink, first, recent = 8, 1, 2, 32, 2, 2, 2
+    qk, ks, _, _ = _ring(kind, cap, nkv, hd)
+    qv, vs, _, _ = _ring(kind, cap, nkv, hd)
+    slots = np.arange(cap, dtype=np.int64)
+    ckv.kv_store(kind, rng.standard_normal((cap, nkv, hd)).astype(np.float32), qk, ks, slots, False)
+    ckv.kv_store(kind, rng.standard_normal((cap, nkv, hd)).astype(np.float32), qv, vs, slots, False)
+    rk = rng.standard_normal((first + recent, nkv, hd)).astype(np.float16)
+    rv = rng.standard_normal((first + recent, nkv, hd)).astype(np.float16)
+    up = lambda a: cuda.to_device(np.ascontiguousarray(a))  # noqa: E731
+    dk = gkv.ring_arrays(kind, up(qk.view(np.uint16) if kind == "f16" else qk.view(np.uint8)), up(ks.view(np.uint16)))
+    dv = gkv.ring_arrays(kind, up(qv.view(np.uint16) if kind == "f16" else qv.view(np.uint8)), up(vs.view(np.uint16)))
+    sc = None if kind == "f16" else ks
+    sv = None if kind == "f16" else vs
+    cases = [  # (ring pos, exact rows' positions, exact_lo, query positions)
+        # decoding past a wrapped ring: sinks 0, 1 exact, 12 from the ring, 13 exact, 14, 15 fresh
+        (np.array([0, 1, 12, 13, 9, 10, 11, -1], np.int64), np.array([0, 1, 12, 13], np.int64), 12,
+         np.array([14, 15], np.int64)),
+        # the first batch: an empty ring, fresh keys at the sink positions
+        (np.full(cap, -1, np.int64), np.full(first + recent, -1, np.int64), 0, np.array([0, 1, 2], np.int64)),
+    ]
+    for pos, rpos, e0, q_pos in cases:
+        n = len(q_pos)
+        q = rng.standard_normal((n, nh, hd)).astype(np.float32)
+        q_sink = rng.standard_normal((n, nh, hd)).astype(np.float32)
+        fk = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+        fv = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+        sb = rng.standard_normal((n, nh)).astype(np.float32)
+        for window, fresh_all, bias in ((5, True, sb), (0, False, sb), (0, True, None)):
+            ref = ckv.kv_attention(kind, q, q_sink, q_pos, qk, sc, qv, sv, pos, n_sink, fk, fv, q_pos, 0.3, window,
+                                   False, recent_k=rk, recent_v=rv, recent_pos=rpos, recent=recent, exact_lo=e0,
+                                   first=first, fresh_all=fresh_all, sink_bias=bias)
+            got = gkv.kv_attention(kind, up(q), up(q_sink), up(q_pos), dk, dv, up(pos), cap, n_sink, up(fk), up(fv),
+                                   up(q_pos), 0.3, window, recent_k=up(rk.view(np.uint16)),
+                                   recent_v=up(rv.view(np.uint16)), recent_pos=up(rpos), recent=recent, exact_lo=e0,
+                                   first=first, fresh_all=fresh_all,
+                                   sink_bias=None if bias is None else up(bias)).copy_to_host()
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=f"{q_pos} {window} {fresh_all}")
+            assert np.abs(ref).max() > 0.1  # every query saw keys
 
 
 def test_hadamard_matches_numpy():
