@@ -37,8 +37,8 @@ _F16, _INT8, _INT4 = 0, 1, 2
 _KIND_ID = {"f16": _F16, "int8": _INT8, "int4": _INT4}
 INT4_SCALES = ("absmax", "q4_0", "fit")  # kernels_cpu.kvquant's int4 step rules, same order
 _INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
-# The fit rule's step factors 0.75 + 0.025 ci, rounded as the CPU kernel rounds them (a product
-# then a sum): computed on the device, the compiler may fuse them into one fma of another value.
+# The fit rule's step factors 0.75 + 0.025 ci, rounded as the CPU kernel rounds them (a product,
+# then a sum): computed on the device, they could become one fma, rounded once.
 _FIT_F = np.array([0.75 + 0.025 * ci for ci in range(15)], np.float64)
 MAX_HD = launch.MAX_HD
 ADIM = 8  # head dims one attention thread owns at most: hd <= ADIM * blockDim
@@ -47,6 +47,29 @@ ADIM = 8  # head dims one attention thread owns at most: hd <= ADIM * blockDim
 def hadamard_block(hd: int) -> int:
     """B: the largest power of two dividing hd, at most 256 (as kernels_cpu.kvquant)."""
     return min(hd & -hd, 256)
+
+
+# Products on the way to stored bytes are rounded as products, as on the CPU: numba.cuda
+# emits plain mul.f32, which ptxas may fuse with a following add or sub (rint's
+# `x * inv - floor(x * inv)`) into one fma of the unrounded product. libdevice's _rn
+# multiplies (mul.rn) are never fused; the simulator (numpy scalars) has no libdevice, no fma.
+if numba.config.ENABLE_CUDASIM:  # plain functions: a simulated device call costs a context switch
+
+    def _mul32(a, b):
+        return a * b
+
+    _mul64 = _mul32
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _mul32(a, b):
+        return libdevice.fmul_rn(a, b)
+
+    @cuda.jit(device=True)
+    def _mul64(a, b):
+        return libdevice.dmul_rn(a, b)
 
 
 @cuda.jit(device=True)
@@ -63,7 +86,7 @@ def _fwht(buf, hd, B):
         h *= 2
     s = np.float32(1.0 / math.sqrt(B))
     for j in range(hd):
-        buf[j] *= s
+        buf[j] = _mul32(buf[j], s)
 
 
 @cuda.jit(device=True)
@@ -116,32 +139,6 @@ def _hadamard_kernel(x, B):
             x[r, c] = buf[c]
 
 
-# A product that is rounded next (x / d to a level) must be rounded as a product first, as on
-# the CPU: numba.cuda leaves NVVM's fused multiply-add contraction on, which would turn
-# rint's `x * inv - floor(x * inv)` into one fma of the unrounded product. libdevice's _rn
-# multiplies are never fused; the simulator (numpy scalars) has no libdevice and no fma.
-if numba.config.ENABLE_CUDASIM:
-
-    @cuda.jit(device=True)
-    def _mul32(a, b):
-        return a * b
-
-    @cuda.jit(device=True)
-    def _mul64(a, b):
-        return a * b
-
-else:
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True)
-    def _mul32(a, b):
-        return libdevice.fmul_rn(a, b)
-
-    @cuda.jit(device=True)
-    def _mul64(a, b):
-        return libdevice.dmul_rn(a, b)
-
-
 @cuda.jit(device=True)
 def _rint64(y):
     """float64 y rounded to the nearest integer, ties to even (numpy's rint), for |y| < 2**62."""
@@ -176,7 +173,7 @@ def _kv_space_kernel(q, k, mu, kmul, B, qo, ko):
         t = (r - nq) // nkv
         g = (r - nq) % nkv
         for c in range(hd):
-            buf[c] = (k[t, g, c] - mu[g, c]) * kmul[g, c]
+            buf[c] = _mul32(k[t, g, c] - mu[g, c], kmul[g, c])
         _fwht(buf, hd, B)
         for c in range(hd):
             ko[t, g, c] = buf[c]
