@@ -4,6 +4,7 @@ Weights keep their GGUF names; qwen2 adds biases on q/k/v and rotates in NeoX or
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +135,7 @@ class Model:
         n, hd, qd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim
         H, Hkv, eps = cfg.n_head, cfg.n_head_kv, cfg.norm_eps
         rope = (cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
+        scale = 1.0 / math.sqrt(hd)
         x = be.embed(self.token_embd, ids)  # (n, n_embd), the residual stream
         for i, L in enumerate(self.layers):
             qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
@@ -141,7 +143,7 @@ class Model:
                 qkv += L["qkv_bias"]
             qkv = be.rope(qkv.reshape(n, H + 2 * Hkv, hd), pos, *rope, heads=H + Hkv)  # heads: q, k, v
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
-            a = be.attention(q, pos, cache[i], k, v, 1.0 / np.sqrt(hd), rope)  # (n, H, hd)
+            a = be.attention(q, pos, cache[i], k, v, scale, rope)  # (n, H, hd)
             x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x)
             gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
             x = be.matmul(gu, L["ffn_down"], pre="silu", residual=x)

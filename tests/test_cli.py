@@ -124,7 +124,7 @@ def test_chat_in_a_terminal(tmp_path):
     assert "4 messages" in t.read_until("tokens cached)")
     t.read_until("> ")
     t.send("/kv\r")
-    assert "kv f16" in t.read_until("tokens cached")
+    assert "kv int8" in t.read_until("tokens cached")  # the default cache type
     t.read_until("> ")
     t.send("\x04")  # Ctrl-D exits cleanly
     assert t.wait() == 0

@@ -90,8 +90,12 @@ class CPUBackend:
             x = np.ascontiguousarray(x, dtype=np.float32)
         code, pw = qm.PRE[pre], _NONE1 if pre_w is None else pre_w
         if isinstance(w, qm.QWeight):
-            return qm.run(w, x, np.empty((x.shape[0], w.m), np.float32), 0, code, pw, eps,
-                          _NONE2 if residual is None else residual, _NONE1 if post_w is None else post_w)
+            out = np.empty((x.shape[0], w.m), np.float32)
+            res = _NONE2 if residual is None else residual
+            if x.shape[0] == 1:  # decode: straight to the kernel (qmatmul.run without its branches)
+                qm._qmatvec(x, w.ws, w.qtype, out, 0, code, pw, eps, res, _NONE1 if post_w is None else post_w)
+                return out if residual is None else residual
+            return qm.run(w, x, out, 0, code, pw, eps, res, _NONE1 if post_w is None else post_w)
         out, col = np.empty((x.shape[0], sum(p.m for p in w)), np.float32), 0
         for p in w:  # same-type runs side by side in one output
             qm.run(p, x, out, col, code, pw, eps, _NONE2, _NONE1)
@@ -127,6 +131,17 @@ class CPUBackend:
         kq = self.kvq
         n = q_pos.shape[0]
         q = np.ascontiguousarray(q)
+        if n == 1 and kv.n_written:  # decode: one call (an empty int ring calibrates first, below)
+            if kv.backend_state is None:
+                kv.backend_state = kq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
+                                                      kv.span, kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu, kv.kmul)
+            base, neox, n_rot, rscale = rope
+            shift = max(int(q_pos[0]) - kv.pos.shape[0] + 1, 0) if kv.n_sink else 0
+            out = kq.kv_decode(kv.backend_state, q, np.ascontiguousarray(k, dtype=np.float32),
+                               np.ascontiguousarray(v, dtype=np.float32), q_pos, kv.n_written,
+                               (self.ops.rope_freqs(base, n_rot, rscale), neox, shift), scale, np.empty_like(q))
+            kv.n_written += 1
+            return out
         q_sink, sink_bias = q, _NO_SB
         shift = max(int(q_pos[-1]) - kv.capacity + 1, 0) if kv.n_sink else 0  # the batch's largest
         if shift:  # sinks seen from just before the window (StreamingLLM)
