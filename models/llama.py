@@ -128,6 +128,14 @@ class Model:
                 ffn_gate_up=be.fuse([f.tensor(p + "ffn_gate.weight"), f.tensor(p + "ffn_up.weight")]),
                 ffn_down=be.prepare(f.tensor(p + "ffn_down.weight")),
             ))
+        # the same block as one fused call for decode, where the backend has one (see forward)
+        rope = (cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
+        self.blocks = [be.decoder_block(
+            attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=L["qkv_bias"], q_norm=None, k_norm=None,
+            attn_output=L["attn_output"], post_attn_norm=None, ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"],
+            act="silu", ffn_down=L["ffn_down"], post_ffw_norm=None, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
+            head_dim=cfg.head_dim, eps=cfg.norm_eps, scale=1.0 / math.sqrt(cfg.head_dim), rope=rope)
+            for L in self.layers]
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
         """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
@@ -138,6 +146,8 @@ class Model:
         scale = 1.0 / math.sqrt(hd)
         x = be.embed(self.token_embd, ids)  # (n, n_embd), the residual stream
         for i, L in enumerate(self.layers):
+            if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
+                continue  # decode: the lines below in one call
             qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
             if L["qkv_bias"] is not None:
                 qkv += L["qkv_bias"]

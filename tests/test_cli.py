@@ -5,6 +5,7 @@ import os
 import pty
 import re
 import select
+import signal
 import sys
 import time
 
@@ -52,6 +53,9 @@ class Terminal:
     def __init__(self, argv, env):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # child
+            # Ctrl-C as a terminal delivers it: a test run started in the background by a
+            # shell without job control inherits SIGINT ignored, and exec keeps that
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(argv[0], argv, env)
         self.screen = ""
         self.cursor = 0  # what read_until has consumed

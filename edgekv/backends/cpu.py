@@ -55,10 +55,10 @@ class CPUBackend:
     name = "cpu"
 
     def __init__(self, threads: int | None = None):
-        from ..kernels_cpu import kvquant, ops, qmatmul
+        from ..kernels_cpu import block, kvquant, ops, qmatmul
 
         self.threads = _init_numba(threads)
-        self.ops, self.qm, self.kvq = ops, qmatmul, kvquant
+        self.ops, self.qm, self.kvq, self.blk = ops, qmatmul, kvquant, block
 
     # -- weights ---------------------------------------------------------------------
     def prepare(self, t: Tensor):
@@ -79,6 +79,27 @@ class CPUBackend:
                 parts.append([t])
         runs = tuple(self.qm.QWeight(tuple(t.raw for t in g), g[0].qtype) for g in parts)
         return runs[0] if len(runs) == 1 else runs
+
+    def decoder_block(self, *, rope: tuple, **parts):
+        """A whole block packed for run_block (kernels_cpu.block: one call per decode token)."""
+        base, neox, n_rot, rscale = rope
+        return self.blk.block_pack(rope_freqs=self.ops.rope_freqs(base, n_rot, rscale), rope_neox=neox, **parts)
+
+    def run_block(self, pack, x: np.ndarray, pos: np.ndarray, kv: LayerKV) -> bool:
+        """One token through a block in place of the model's op-by-op code; False (nothing done)
+        for a batch, or an empty cache (an int ring calibrates on its first batch)."""
+        if pos.shape[0] != 1 or not kv.n_written or x.dtype != np.float32 or not x.flags.c_contiguous:
+            return False
+        if kv.backend_state is None:
+            kv.backend_state = self._decode_layer(kv)
+        shift = max(int(pos[0]) - kv.pos.shape[0] + 1, 0) if kv.n_sink else 0
+        self.blk.decode_block(pack, x, pos, kv.backend_state, kv.n_written, shift)
+        kv.n_written += 1
+        return True
+
+    def _decode_layer(self, kv: LayerKV) -> tuple:
+        return self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink, kv.span,
+                                        kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu, kv.kmul)
 
     # -- ops -------------------------------------------------------------------------
     # The decode step calls these ~5 times a layer; they go straight to the jitted cores (the
@@ -133,8 +154,7 @@ class CPUBackend:
         q = np.ascontiguousarray(q)
         if n == 1 and kv.n_written:  # decode: one call (an empty int ring calibrates first, below)
             if kv.backend_state is None:
-                kv.backend_state = kq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
-                                                      kv.span, kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu, kv.kmul)
+                kv.backend_state = self._decode_layer(kv)
             base, neox, n_rot, rscale = rope
             shift = max(int(q_pos[0]) - kv.pos.shape[0] + 1, 0) if kv.n_sink else 0
             out = kq.kv_decode(kv.backend_state, q, np.ascontiguousarray(k, dtype=np.float32),
