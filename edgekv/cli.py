@@ -257,9 +257,11 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_bench(args) -> int:
-    from .bench import format_table, plot, run_bench
+    from .bench import format_table, plot, plot_backend, run_bench
     from .hub import resolve
 
+    if args.plot:
+        plot_backend()
     path = resolve(args.model, progress=not args.quiet)
     result = run_bench(path, prompt=_ints(args.p), gen=_ints(args.n), depths=_ints(args.d), kvs=args.kv.split(","),
                        threads=_ints(args.t) if args.t else [None], reps=args.r,
