@@ -232,7 +232,9 @@ def format_table(result: dict, fmt: str = "md") -> str:
     return head + "\n".join(lines)
 
 
-def plot(result: dict, path: str) -> None:
+def plot_backend():
+    """matplotlib.pyplot on a file-only backend, or an EdgekvError saying how to install it
+    (checked before a long bench run, not after it)."""
     try:
         import matplotlib
 
@@ -240,6 +242,12 @@ def plot(result: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise EdgekvError("--plot needs matplotlib: pip install 'edgekv[plot]'") from None
+    return plt
+
+
+def plot(result: dict, path: str) -> None:
+    """Decode tokens/s against context depth, one line per (runtime, cache type), into path."""
+    plt = plot_backend()
     fig, ax = plt.subplots(figsize=(7, 4))
     series: dict = {}
     for row in result["rows"]:

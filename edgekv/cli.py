@@ -257,9 +257,11 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_bench(args) -> int:
-    from .bench import format_table, plot, run_bench
+    from .bench import format_table, plot, plot_backend, run_bench
     from .hub import resolve
 
+    if args.plot:
+        plot_backend()
     path = resolve(args.model, progress=not args.quiet)
     result = run_bench(path, prompt=_ints(args.p), gen=_ints(args.n), depths=_ints(args.d), kvs=args.kv.split(","),
                        threads=_ints(args.t) if args.t else [None], reps=args.r,
@@ -327,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, timings)")
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--ctx", type=int, default=4096)
-    s.add_argument("--kv", default="f16")
+    s.add_argument("--kv", default="int8", help="KV cache type: f16, int8 or int4")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda when a GPU is usable)")
     s.add_argument("--gpu-layers", type=int, default=None, metavar="N", help="with cuda: only the first N blocks on the GPU")
@@ -342,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("chat", help="interactive chat in the terminal")
     s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="known name or .gguf path (default: smollm2-135m-instruct)")
-    s.add_argument("--kv", default="f16", help="KV cache type")
+    s.add_argument("--kv", default="int8", help="KV cache type: f16, int8 or int4")
     s.add_argument("--ctx", type=int, default=4096, help="KV cache capacity in tokens")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda when a GPU is usable)")

@@ -46,7 +46,7 @@ This module is the numpy reference of that layout; kernels_cpu/kvquant.py is the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -169,6 +169,7 @@ class LayerKV:
     rpos: np.ndarray | None = None  # (first + recent,) int64, -1 = empty
     mu: np.ndarray | None = None  # float32 (Hkv, hd) key offset subtracted before storing (int kinds)
     kmul: np.ndarray | None = None  # float32 (Hkv, hd) channel weights: keys * kmul, queries / kmul
+    backend_state: object = field(default=None, compare=False, repr=False)  # a backend's derived per-layer data
 
     def __post_init__(self):
         hd = self.v.shape[2] * (2 if self.kind == "int4" else 1)

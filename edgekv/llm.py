@@ -30,7 +30,7 @@ class LLM:
     to read one thread's figures. Cancel from any thread with a threading.Event (`cancel=`).
     """
 
-    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "int8", threads: int | None = None,
                  device: str = "cpu", n_sink: int = 4, gpu_layers: int | None = None):
         from .chat_template import ChatTemplate
         from .models import build_model
@@ -190,7 +190,7 @@ class LLM:
         return "".join(e.text for e in self.generate(prompt, max_tokens=max_tokens, temperature=temperature, **kw))
 
 
-def load(model: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "f16", threads: int | None = None,
+def load(model: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "int8", threads: int | None = None,
          device: str = "cpu", progress: bool = True, gpu_layers: int | None = None) -> LLM:
     """Load a known model name (pulled on first use) or a .gguf path. device: "cpu", "cuda" or
     "auto" (cuda when a GPU is usable); gpu_layers: with cuda, only the first N blocks on the GPU."""

@@ -37,7 +37,7 @@ from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic
 
-from .ops import _expf, _widen
+from .ops import _expf, _rope_token, _widen
 
 KINDS = ("f16", "int8", "int4")
 GROUP = 32  # values per f16 scale
@@ -148,6 +148,21 @@ def _deq32_f16(typingctx, src, so, dst, do):
     def codegen(context, builder, sig, args):
         x = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 32)), align=2)
         y = builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), 32)), _VF32)
+        builder.store(y, _vec_ptr(context, builder, sig.args[2], args[2], args[3], _VF32), align=4)
+        return context.get_dummy_value()
+
+    return types.void(src, so, dst, do), codegen
+
+
+@intrinsic
+def _deq32_f16_eo(typingctx, src, so, dst, do):
+    """As _deq32_f16 into kernel order for int4 rows: the 16 even values, then the 16 odd ones."""
+
+    def codegen(context, builder, sig, args):
+        x = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 32)), align=2)
+        y = builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), 32)), _VF32)
+        order = ir.Constant(ir.VectorType(_I32, 32), [2 * i for i in range(16)] + [2 * i + 1 for i in range(16)])
+        y = builder.shuffle_vector(y, ir.Constant(_VF32, ir.Undefined), order)
         builder.store(y, _vec_ptr(context, builder, sig.args[2], args[2], args[3], _VF32), align=4)
         return context.get_dummy_value()
 
@@ -556,12 +571,16 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
             # empty slots of the tile are dequantized too (hidden keys never reach the sums)
             _deq_rows(kind, kh, kb, ks, t0, nt, g, kt)
             _deq_rows(kind, vh, vb, vs, t0, nt, g, vt)
-        elif src == 1:
+        elif src == 1:  # f16 copies, 32 values a step (the int4 kernel order by a shuffle)
             for jj in range(nt):
-                for c in range(hd):
-                    kt[jj, c] = _widen(rk[t0 + jj, g, perm[c]])
-                for c in range(hd):
-                    vt[jj, c] = _widen(rv[t0 + jj, g, perm[c]])
+                base = ((t0 + jj) * rk.shape[1] + g) * hd
+                for c in range(0, hd, 32):
+                    if kind == _INT4:
+                        _deq32_f16_eo(rk, base + c, kt, jj * hd + c)
+                        _deq32_f16_eo(rv, base + c, vt, jj * hd + c)
+                    else:
+                        _deq32_f16(rk, base + c, kt, jj * hd + c)
+                        _deq32_f16(rv, base + c, vt, jj * hd + c)
         else:
             for jj in range(nt):
                 for c in range(hd):
@@ -893,4 +912,125 @@ def kv_attention(
                np.float32(scale), int(window), _perm(kind, hd), bool(v_rotated), hadamard_block(hd),
                (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, int(recent), int(exact_lo),
                 bool(fresh_all), sink_bias, int(first)), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
+    return out
+
+
+# --- one decode step ------------------------------------------------------------------
+# A decode step of one layer is one token: the transforms, two stores, the attention and the
+# exact-copy bookkeeping are each a few microseconds of work, and as separate calls their
+# dispatch and numpy glue cost several times that (a 135M model has 30 layers, ~7 ms a token).
+
+
+@njit(**_EXACT)
+def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out):
+    kind, K, V, pos, n_sink, span, R, mu, kmul, rotated, perm, B, rule = L
+    _, n_head, hd = q.shape
+    n_head_kv = k.shape[1]
+    grp = n_head // n_head_kv
+    rk, rv, rpos, recent, first = R
+    inv_freq, neox, shift = rope
+    p = q_pos[0]
+    # the oldest position in the recent slots, read before this token lands there (LayerKV.exact_lo)
+    e0 = p
+    live = False
+    for j in range(first, rpos.shape[0]):
+        if rpos[j] >= 0 and (not live or rpos[j] < e0):
+            e0 = rpos[j]
+            live = True
+    qo = np.empty((1, n_head, hd), np.float32)  # q and k in the ring's key space
+    ko = np.empty((1, n_head_kv, hd), np.float32)
+    vo = np.empty((1, n_head_kv, hd), np.float32)
+    for g in range(n_head_kv):
+        for c in range(hd):
+            vo[0, g, c] = v[0, g, c]
+    if rotated:
+        _kv_space_core(q, k, mu, kmul, B, qo, ko)
+    else:
+        for h in range(n_head):
+            for c in range(hd):
+                qo[0, h, c] = q[0, h, c]
+        for g in range(n_head_kv):
+            for c in range(hd):
+                ko[0, g, c] = k[0, g, c]
+    # sinks, once the ring is full, are scored by q turned back by `shift` positions
+    # (LayerKV.sink_shift), with their share of the key offset added back (LayerKV.sink_bias)
+    sb = np.zeros((1 if shift and rotated else 0, n_head), np.float32)  # (1, H) or none
+    qs = qo
+    if shift:
+        qr = np.empty((1, n_head, hd), np.float32)
+        for h in range(n_head):
+            for c in range(hd):
+                qr[0, h, c] = q[0, h, c]
+        spos = np.empty(1, np.int64)
+        spos[0] = -shift
+        cs = np.empty(inv_freq.shape[0], np.float32)
+        sn = np.empty(inv_freq.shape[0], np.float32)
+        _rope_token(qr, spos, inv_freq, neox, n_head, 0, cs, sn)
+        if rotated:
+            qs = np.empty((1, n_head, hd), np.float32)
+            for h in range(n_head):
+                g = h // grp
+                acc = 0.0
+                for c in range(hd):
+                    acc += np.float64(qr[0, h, c] - q[0, h, c]) * np.float64(mu[g, c])
+                    qs[0, h, c] = qr[0, h, c] / kmul[g, c]
+                sb[0, h] = np.float32(acc)
+                _fwht(qs[0, h], B)
+        else:
+            qs = qr
+    # store first: the slot a token takes held the one that just left its span
+    cap = pos.shape[0]
+    slot = np.empty(1, np.int64)
+    slot[0] = n_written if n_written < cap else n_sink + (n_written - n_sink) % max(cap - n_sink, 1)
+    _store_core(kind, ko, K, slot, False, B, rule)
+    _store_core(kind, vo, V, slot, False, B, rule)
+    pos[slot[0]] = p
+    # with exact recent slots the token is read exact from the fresh batch, hidden in the ring
+    m = 1 if recent > 0 else 0
+    fk = np.empty((m, n_head_kv, hd), np.float32)
+    fv = np.empty((m, n_head_kv, hd), np.float32)
+    fpos = np.empty(m, np.int64)
+    if m:
+        fk[:] = ko
+        fv[:] = vo
+        fpos[0] = p
+    fresh_all = m < 0  # False: the token is in the ring already
+    v_rotated = m < 0  # False: values are stored as they are
+    _attn_core(kind, qo, qs, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, span, perm, v_rotated, B,
+               (rk, rv, rpos, recent, e0, fresh_all, sb, first), q.shape[0], par[0], par[1], par[2], out)
+    if m:  # LayerKV.write_recent
+        row = p if p < first else first + p % recent
+        for g in range(n_head_kv):
+            for c in range(hd):
+                rk[row, g, c] = _narrow(ko[0, g, c])
+                rv[row, g, c] = _narrow(vo[0, g, c])
+        rpos[row] = p
+
+
+def kv_decode_layer(kind: str, k_arr: np.ndarray, k_scale: np.ndarray, v_arr: np.ndarray, v_scale: np.ndarray,
+                    pos: np.ndarray, n_sink: int, span: int, recent_k: np.ndarray, recent_v: np.ndarray,
+                    recent_pos: np.ndarray, recent: int, first: int, mu: np.ndarray, kmul: np.ndarray) -> tuple:
+    """A layer's cache arrays (as edgekv.kvcache.LayerKV holds them: the ring of `kind`, its
+    positions, n_sink sink slots, a query sees `span` positions back; the exact recent/first
+    copies; the key offset mu and channel weights kmul (Hkv, hd)) packed once for kv_decode.
+    The pack holds views: writes through it land in these arrays, and in-place updates of them
+    are seen by it."""
+    hd = mu.shape[1]
+    return (_KIND_ID[kind], _views(kind, k_arr, k_scale), _views(kind, v_arr, v_scale), pos, n_sink, span,
+            (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent, first), mu, kmul, kind != "f16",
+            _perm(kind, hd), hadamard_block(hd), _INT4_FIT)
+
+
+def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, n_written: int,
+              rope: tuple, scale: float, out: np.ndarray) -> np.ndarray:
+    """One token through a layer's cache (kv_decode_layer) in one call, unchecked (a backend's
+    decode step): what kv_space, kv_store of k and v at the ring's next slot (n_written,
+    wrapping past the sinks), kv_attention (the token itself read exact when the layer keeps
+    recent copies) and the recent-slot write do one after another; int4 with the "fit" rule.
+    q (1, H, hd), k, v (1, Hkv, hd) float32 after RoPE, q_pos (1,) int64. rope (inv_freq
+    (n_rot/2,) float64, neox, shift): once the ring is full, sinks are scored by q turned back
+    by shift positions (kv_attention's q_sink and sink_bias). Writes out (1, H, hd) and returns
+    it; the caller advances its write cursor."""
+    _decode_core(layer, q, k, v, q_pos, n_written, rope, np.float32(scale),
+                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), out)
     return out

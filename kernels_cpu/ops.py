@@ -200,10 +200,13 @@ def _rope_parallel(x, pos, inv_freq, neox, nh):
 _inv_freq_cache: dict[tuple[float, int, float], np.ndarray] = {}
 
 
-def _inv_freq(theta_base: float, n_rot: int, freq_scale: float) -> np.ndarray:
-    # (n_rot/2,) float64: freq_scale * base**(-2i/n_rot), made once per (base, n_rot, scale)
-    f = freq_scale * np.power(np.float64(theta_base), -np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-    _inv_freq_cache[(theta_base, n_rot, freq_scale)] = f
+def rope_freqs(theta_base: float, n_rot: int, freq_scale: float = 1.0) -> np.ndarray:
+    """(n_rot/2,) float64: freq_scale * theta_base**(-2i/n_rot), pair i's angle per position;
+    made once per (base, n_rot, scale)."""
+    f = _inv_freq_cache.get((theta_base, n_rot, freq_scale))
+    if f is None:
+        f = freq_scale * np.power(np.float64(theta_base), -np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+        _inv_freq_cache[(theta_base, n_rot, freq_scale)] = f
     return f
 
 
@@ -229,9 +232,7 @@ def rope(
         )
     if n_rot % 2 or not 0 < n_rot <= x.shape[2]:
         raise ValueError(f"rope: n_rot={n_rot} must be even and within head_dim {x.shape[2]}")
-    inv_freq = _inv_freq_cache.get((theta_base, n_rot, freq_scale))
-    if inv_freq is None:
-        inv_freq = _inv_freq(theta_base, n_rot, freq_scale)
+    inv_freq = rope_freqs(theta_base, n_rot, freq_scale)
     nh = x.shape[1] if heads is None else heads
     if not 0 <= nh <= x.shape[1]:
         raise ValueError(f"rope: heads={heads} outside the {x.shape[1]} heads of x")

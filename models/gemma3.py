@@ -125,6 +125,14 @@ class Model:
                 ffn_down=be.prepare(f.tensor(p + "ffn_down.weight")),
                 post_ffw_norm=norm(p + "post_ffw_norm.weight"),
             ))
+        # the same block as one fused call for decode, where the backend has one (see forward)
+        self.blocks = [be.decoder_block(
+            attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=None, q_norm=L["attn_q_norm"],
+            k_norm=L["attn_k_norm"], attn_output=L["attn_output"], post_attn_norm=L["post_attention_norm"],
+            ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"], act="gelu", ffn_down=L["ffn_down"],
+            post_ffw_norm=L["post_ffw_norm"], n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
+            eps=cfg.norm_eps, scale=cfg.attn_scale, rope=(L["rope_base"], True, cfg.head_dim, L["rope_scale"]))
+            for L in self.layers]
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
         """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
@@ -134,6 +142,8 @@ class Model:
         x = be.embed(self.token_embd, ids)  # (n, n_embd), the residual stream
         x *= np.float32(np.sqrt(cfg.n_embd))
         for i, L in enumerate(self.layers):
+            if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
+                continue  # decode: the lines below in one call
             qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
             qkv = qkv.reshape(n, H + 2 * Hkv, hd)  # heads: q, k, v
             rope = (L["rope_base"], True, hd, L["rope_scale"])

@@ -4,6 +4,7 @@ Weights keep their GGUF names; qwen2 adds biases on q/k/v and rotates in NeoX or
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,6 +128,14 @@ class Model:
                 ffn_gate_up=be.fuse([f.tensor(p + "ffn_gate.weight"), f.tensor(p + "ffn_up.weight")]),
                 ffn_down=be.prepare(f.tensor(p + "ffn_down.weight")),
             ))
+        # the same block as one fused call for decode, where the backend has one (see forward)
+        rope = (cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
+        self.blocks = [be.decoder_block(
+            attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=L["qkv_bias"], q_norm=None, k_norm=None,
+            attn_output=L["attn_output"], post_attn_norm=None, ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"],
+            act="silu", ffn_down=L["ffn_down"], post_ffw_norm=None, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
+            head_dim=cfg.head_dim, eps=cfg.norm_eps, scale=1.0 / math.sqrt(cfg.head_dim), rope=rope)
+            for L in self.layers]
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
         """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
@@ -134,14 +143,17 @@ class Model:
         n, hd, qd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim
         H, Hkv, eps = cfg.n_head, cfg.n_head_kv, cfg.norm_eps
         rope = (cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
+        scale = 1.0 / math.sqrt(hd)
         x = be.embed(self.token_embd, ids)  # (n, n_embd), the residual stream
         for i, L in enumerate(self.layers):
+            if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
+                continue  # decode: the lines below in one call
             qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
             if L["qkv_bias"] is not None:
                 qkv += L["qkv_bias"]
             qkv = be.rope(qkv.reshape(n, H + 2 * Hkv, hd), pos, *rope, heads=H + Hkv)  # heads: q, k, v
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
-            a = be.attention(q, pos, cache[i], k, v, 1.0 / np.sqrt(hd), rope)  # (n, H, hd)
+            a = be.attention(q, pos, cache[i], k, v, scale, rope)  # (n, H, hd)
             x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x)
             gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
             x = be.matmul(gu, L["ffn_down"], pre="silu", residual=x)

@@ -28,3 +28,15 @@ def test_perplexity_json(tmp_path, capsys):
     assert main(["perplexity", str(path), str(text), "--ctx", "32", "--kv", "int8", "--kl-base", "f16", "-q"]) == 0
     res = json.loads(capsys.readouterr().out)["results"]
     assert res["f16"]["ppl"] > 1 and res["int8"]["mean_kl"] >= 0 and 0 <= res["int8"]["top1_agreement"] <= 1
+
+
+def test_plot_without_matplotlib_fails_before_benchmarking(tmp_path, capsys, monkeypatch):
+    """A long bench run must not end in 'matplotlib missing': the check comes first."""
+    import sys
+
+    import edgekv.bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(edgekv.bench, "run_bench", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    assert main(["bench", str(tmp_path / "any.gguf"), "--plot", str(tmp_path / "d.png")]) == 1
+    assert "pip install 'edgekv[plot]'" in capsys.readouterr().err

@@ -20,6 +20,14 @@ The operations (x float32, n = tokens in the batch):
       within kv.span; sink slots are seen through q counter-rotated by kv.sink_shift (rope =
       (base, neox, n_rot, scale)). The batch's k/v are stored in kv: first when kv.write_first(n),
       else after attending over (ring, batch).
+  decoder_block(attn_norm=, qkv=, qkv_bias=, q_norm=, k_norm=, attn_output=, post_attn_norm=,
+                ffn_norm=, gate_up=, act=, ffn_down=, post_ffw_norm=, n_head=, n_head_kv=,
+                head_dim=, eps=, scale=, rope=) -> handle or None
+      a whole pre-norm block (kernels_cpu/block.py writes it out; None for an absent step)
+      prepared once for run_block; None where the backend has no fused block
+  run_block(handle, x (1, d), pos (1,), kv) -> bool
+      one token through that block, x updated in place, the same as the model's op-by-op code;
+      False (nothing done) where it cannot (a batch, an empty cache): the model runs its ops
 """
 from __future__ import annotations
 

@@ -55,10 +55,10 @@ class CPUBackend:
     name = "cpu"
 
     def __init__(self, threads: int | None = None):
-        from ..kernels_cpu import kvquant, ops, qmatmul
+        from ..kernels_cpu import block, kvquant, ops, qmatmul
 
         self.threads = _init_numba(threads)
-        self.ops, self.qm, self.kvq = ops, qmatmul, kvquant
+        self.ops, self.qm, self.kvq, self.blk = ops, qmatmul, kvquant, block
 
     # -- weights ---------------------------------------------------------------------
     def prepare(self, t: Tensor):
@@ -80,6 +80,27 @@ class CPUBackend:
         runs = tuple(self.qm.QWeight(tuple(t.raw for t in g), g[0].qtype) for g in parts)
         return runs[0] if len(runs) == 1 else runs
 
+    def decoder_block(self, *, rope: tuple, **parts):
+        """A whole block packed for run_block (kernels_cpu.block: one call per decode token)."""
+        base, neox, n_rot, rscale = rope
+        return self.blk.block_pack(rope_freqs=self.ops.rope_freqs(base, n_rot, rscale), rope_neox=neox, **parts)
+
+    def run_block(self, pack, x: np.ndarray, pos: np.ndarray, kv: LayerKV) -> bool:
+        """One token through a block in place of the model's op-by-op code; False (nothing done)
+        for a batch, or an empty cache (an int ring calibrates on its first batch)."""
+        if pos.shape[0] != 1 or not kv.n_written or x.dtype != np.float32 or not x.flags.c_contiguous:
+            return False
+        if kv.backend_state is None:
+            kv.backend_state = self._decode_layer(kv)
+        shift = max(int(pos[0]) - kv.pos.shape[0] + 1, 0) if kv.n_sink else 0
+        self.blk.decode_block(pack, x, pos, kv.backend_state, kv.n_written, shift)
+        kv.n_written += 1
+        return True
+
+    def _decode_layer(self, kv: LayerKV) -> tuple:
+        return self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink, kv.span,
+                                        kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu, kv.kmul)
+
     # -- ops -------------------------------------------------------------------------
     # The decode step calls these ~5 times a layer; they go straight to the jitted cores (the
     # kernels' checking wrappers cost more than a small kernel), so they trust the model's shapes.
@@ -90,8 +111,12 @@ class CPUBackend:
             x = np.ascontiguousarray(x, dtype=np.float32)
         code, pw = qm.PRE[pre], _NONE1 if pre_w is None else pre_w
         if isinstance(w, qm.QWeight):
-            return qm.run(w, x, np.empty((x.shape[0], w.m), np.float32), 0, code, pw, eps,
-                          _NONE2 if residual is None else residual, _NONE1 if post_w is None else post_w)
+            out = np.empty((x.shape[0], w.m), np.float32)
+            res = _NONE2 if residual is None else residual
+            if x.shape[0] == 1:  # decode: straight to the kernel (qmatmul.run without its branches)
+                qm._qmatvec(x, w.ws, w.qtype, out, 0, code, pw, eps, res, _NONE1 if post_w is None else post_w)
+                return out if residual is None else residual
+            return qm.run(w, x, out, 0, code, pw, eps, res, _NONE1 if post_w is None else post_w)
         out, col = np.empty((x.shape[0], sum(p.m for p in w)), np.float32), 0
         for p in w:  # same-type runs side by side in one output
             qm.run(p, x, out, col, code, pw, eps, _NONE2, _NONE1)
@@ -127,6 +152,16 @@ class CPUBackend:
         kq = self.kvq
         n = q_pos.shape[0]
         q = np.ascontiguousarray(q)
+        if n == 1 and kv.n_written:  # decode: one call (an empty int ring calibrates first, below)
+            if kv.backend_state is None:
+                kv.backend_state = self._decode_layer(kv)
+            base, neox, n_rot, rscale = rope
+            shift = max(int(q_pos[0]) - kv.pos.shape[0] + 1, 0) if kv.n_sink else 0
+            out = kq.kv_decode(kv.backend_state, q, np.ascontiguousarray(k, dtype=np.float32),
+                               np.ascontiguousarray(v, dtype=np.float32), q_pos, kv.n_written,
+                               (self.ops.rope_freqs(base, n_rot, rscale), neox, shift), scale, np.empty_like(q))
+            kv.n_written += 1
+            return out
         q_sink, sink_bias = q, _NO_SB
         shift = max(int(q_pos[-1]) - kv.capacity + 1, 0) if kv.n_sink else 0  # the batch's largest
         if shift:  # sinks seen from just before the window (StreamingLLM)

@@ -247,6 +247,13 @@ class CUDABackend:
             return _Placed(list(ts))
         return self._upload(list(ts)) if on else self.cpu.fuse(ts)
 
+    def decoder_block(self, **parts) -> None:
+        """No fused block here: blocks run op by op (weights may be on either device)."""
+        return None
+
+    def run_block(self, pack, x, pos, kv) -> bool:
+        return False
+
     def _w(self, w):
         if isinstance(w, _Placed):
             if w.handle is None:

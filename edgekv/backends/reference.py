@@ -31,6 +31,13 @@ class ReferenceBackend:
     def fuse(self, ts: list[Tensor]) -> tuple[Tensor, ...]:
         return tuple(ts)
 
+    def decoder_block(self, **parts) -> None:
+        """No fused block: the model's op-by-op code is the reference."""
+        return None
+
+    def run_block(self, pack, x, pos, kv) -> bool:
+        return False
+
     def _w(self, t: Tensor) -> np.ndarray:
         if t.name not in self._dense:
             self._dense[t.name] = dequantize_tensor(t)

@@ -1,0 +1,147 @@
+"""One token through one pre-norm decoder block, in a single call.
+
+At 135M parameters a decode token is ~7 ms for 30 blocks; made as six kernel calls a block,
+each call's dispatch and the Python around it cost several microseconds while the work behind
+it is a few, so a fifth of the token went to calling. Here a block's steps run one after
+another inside compiled code; its parallel regions are the matmuls' (and a long context's
+attention's) own.
+
+The block, every norm an RMSNorm times its weight, [..] the optional parts (empty arrays):
+
+    qkv = norm(x, attn_norm) @ Wqkv.T [+ qkv_bias]       q, k, v: heads of qkv side by side
+    [q = norm(q, q_norm); k = norm(k, k_norm)]           per head
+    q, k = rope(q), rope(k) at the token's position
+    a = attention of q over the layer's cache, k and v stored there (kvquant.kv_decode)
+    x += [norm(] a @ Wo.T [, post_attn_norm)]
+    g, u = norm(x, ffn_norm) @ Wgu.T                     gate and up side by side
+    x += [norm(] act(g) * u @ Wdown.T [, post_ffw_norm)] act: silu or gelu
+
+A fused weight (Wqkv, Wgu) comes as up to three runs of one GGML type each (gemma3 keeps v
+in another type than q and k), written side by side.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import get_num_threads, njit
+
+from .kvquant import KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, _decode_core
+from .ops import _rope_token
+from .qmatmul import PRE, PRE_NONE, PRE_NORM, QWeight, _qmatvec
+
+_E1 = np.empty(0, np.float32)
+_NO_W = np.zeros((0, 1), np.uint8)
+_NO_W.setflags(write=False)  # the type of a memory-mapped weight: read-only
+_NO_RUN = (_NO_W, _NO_W, _NO_W)
+
+
+@njit(cache=True, error_model="numpy")
+def _norm_heads(x, w, eps, h0, h1):
+    """x[0, h] = rmsnorm(x[0, h]) * w for heads h0:h1 of x (1, heads, hd), in place."""
+    hd = x.shape[2]
+    for h in range(h0, h1):
+        ss = 0.0  # float64, as ops.rmsnorm
+        for c in range(hd):
+            ss += np.float64(x[0, h, c]) * np.float64(x[0, h, c])
+        s = np.float32(1.0 / math.sqrt(ss / hd + eps))
+        for c in range(hd):
+            x[0, h, c] = (x[0, h, c] * s) * w[c]
+
+
+@njit(cache=True, error_model="numpy")
+def _block_core(x, q_pos, W, N, dims, eps, scale, rope, layer, n_written, par):
+    wqkv, tqkv, mqkv, wo, to, wgu, tgu, mgu, wdown, tdown = W
+    attn_norm, qkv_bias, q_norm, k_norm, post_attn, ffn_norm, post_ffw = N
+    H, Hkv, hd, act = dims
+    inv_freq, neox, n_rope_heads, shift = rope
+    e1 = np.empty(0, np.float32)  # absent pre_w / post_w / residual (module globals would be read-only)
+    e2 = np.empty((0, 0), np.float32)
+    # qkv, in runs of one type side by side
+    qkv = np.empty((1, (H + 2 * Hkv) * hd), np.float32)
+    col = 0
+    for r in range(3):
+        if mqkv[r]:
+            _qmatvec(x, wqkv[r], tqkv[r], qkv, col, PRE_NORM, attn_norm, eps, e2, e1)
+            col += mqkv[r]
+    if qkv_bias.shape[0]:
+        for c in range(qkv.shape[1]):
+            qkv[0, c] += qkv_bias[c]
+    qkv3 = qkv.reshape(1, H + 2 * Hkv, hd)  # (1, heads, hd) view
+    if q_norm.shape[0]:
+        _norm_heads(qkv3, q_norm, eps, 0, H)
+        _norm_heads(qkv3, k_norm, eps, H, H + Hkv)
+    cs = np.empty(inv_freq.shape[0], np.float32)
+    sn = np.empty(inv_freq.shape[0], np.float32)
+    _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, 0, cs, sn)  # q and k: the first H + Hkv heads
+    q = np.empty((1, H, hd), np.float32)
+    k = np.empty((1, Hkv, hd), np.float32)
+    v = np.empty((1, Hkv, hd), np.float32)
+    q[0] = qkv3[0, :H]
+    k[0] = qkv3[0, H : H + Hkv]
+    v[0] = qkv3[0, H + Hkv :]
+    a = np.empty((1, H, hd), np.float32)
+    _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a)
+    o = np.empty((1, x.shape[1]), np.float32)
+    _qmatvec(a.reshape(1, H * hd), wo, to, o, 0, PRE_NONE, e1, eps, x, post_attn)  # x += post(o)
+    gu = np.empty((1, mgu[0] + mgu[1] + mgu[2]), np.float32)
+    col = 0
+    for r in range(3):
+        if mgu[r]:
+            _qmatvec(x, wgu[r], tgu[r], gu, col, PRE_NORM, ffn_norm, eps, e2, e1)
+            col += mgu[r]
+    _qmatvec(gu, wdown, tdown, o, 0, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
+
+
+def _runs(w) -> tuple[tuple, tuple, tuple]:
+    """A fused weight (a QWeight or a tuple of them) as three runs: raw parts, types, rows."""
+    runs = (w,) if isinstance(w, QWeight) else tuple(w)
+    if len(runs) > 3:
+        raise ValueError(f"decoder block: a fused weight of {len(runs)} runs (at most 3)")
+    pad = 3 - len(runs)
+    return (tuple(r.ws for r in runs) + (_NO_RUN,) * pad, tuple(r.qtype for r in runs) + (0,) * pad,
+            tuple(r.m for r in runs) + (0,) * pad)
+
+
+def _vec(a, n: int, what: str) -> np.ndarray:
+    if a is None:
+        return _E1
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if a.shape != (n,):
+        raise ValueError(f"decoder block: {what} has shape {a.shape}, expected ({n},)")
+    return a
+
+
+def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_attn_norm, ffn_norm, gate_up, act,
+               ffn_down, post_ffw_norm, n_head: int, n_head_kv: int, head_dim: int, eps: float, scale: float,
+               rope_freqs: np.ndarray, rope_neox: bool) -> tuple:
+    """A block's weights (QWeights, fused ones as tuples of runs) and norm vectors (float32;
+    None = that step is absent) checked once and packed for `decode_block`. act: "silu" or
+    "gelu"; rope_freqs (n_rot/2,) float64 as ops.rope_freqs; RoPE turns q and k (all heads)."""
+    H, Hkv, hd = n_head, n_head_kv, head_dim
+    d = attn_output.m
+    wqkv, tqkv, mqkv = _runs(qkv)
+    wgu, tgu, mgu = _runs(gate_up)
+    if sum(mqkv) != (H + 2 * Hkv) * hd or attn_output.k != H * hd or sum(mgu) != 2 * ffn_down.k or ffn_down.m != d:
+        raise ValueError("decoder block: weight shapes do not fit the head counts and widths")
+    if not isinstance(attn_output, QWeight) or not isinstance(ffn_down, QWeight) or act not in ("silu", "gelu"):
+        raise ValueError("decoder block: attn_output and ffn_down must be single weights, act silu or gelu")
+    if (q_norm is None) != (k_norm is None) or 2 * rope_freqs.shape[0] > hd:
+        raise ValueError("decoder block: q_norm and k_norm come together; RoPE dims must fit the head")
+    W = (wqkv, tqkv, mqkv, attn_output.ws, attn_output.qtype, wgu, tgu, mgu, ffn_down.ws, ffn_down.qtype)
+    N = (_vec(attn_norm, d, "attn_norm"), _vec(qkv_bias, sum(mqkv), "qkv_bias"), _vec(q_norm, hd, "q_norm"),
+         _vec(k_norm, hd, "k_norm"), _vec(post_attn_norm, d, "post_attn_norm"), _vec(ffn_norm, d, "ffn_norm"),
+         _vec(post_ffw_norm, d, "post_ffw_norm"))
+    return W, N, (H, Hkv, hd, PRE[act]), np.float64(eps), np.float32(scale), \
+        (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv)
+
+
+def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, n_written: int, shift: int) -> np.ndarray:
+    """x (1, d) float32, C-contiguous: the residual stream of one token at q_pos (1,) int64, updated
+    in place through the block `pack` (block_pack) over a layer's cache (kvquant.kv_decode_layer,
+    n_written tokens written; shift as kv_decode's). Unchecked: a backend's decode step. Returns x;
+    the caller advances the cache's write cursor."""
+    W, N, dims, eps, scale, (freqs, neox, heads) = pack
+    _block_core(x, q_pos, W, N, dims, eps, scale, (freqs, neox, heads, shift), layer, n_written,
+                (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()))
+    return x
