@@ -108,7 +108,7 @@ def test_session_saved_from_the_device(models, tmp_path):
     """A session's cache lives on the device; saving copies it back, and a CPU LLM continues it."""
     from edgekv.session import ChatSession
 
-    gpu = LLM(models["llama"], n_ctx=32, device="cuda")
+    gpu = LLM(models["llama"], n_ctx=32, kv="f16", device="cuda")
     s = gpu.session()
     s.seq.feed(PROMPT[:3])
     lk = s.seq.cache.layers[0]
@@ -119,7 +119,7 @@ def test_session_saved_from_the_device(models, tmp_path):
     assert written.sum() == 3
     np.testing.assert_array_equal(lk.k.view(np.uint16)[written], ring.k.copy_to_host()[written])
     assert lk.k[written].any() and not lk.k[~written].any()  # empty slots saved as zeros
-    cpu = LLM(models["llama"], n_ctx=32, device="cpu")
+    cpu = LLM(models["llama"], n_ctx=32, kv="f16", device="cpu")
     t = ChatSession.load(tmp_path / "s.edgekv", cpu)
     assert t.seq.tokens == PROMPT[:3] and np.array_equal(t.seq.cache.layers[1].k, s.seq.cache.layers[1].k)
 
