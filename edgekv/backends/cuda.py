@@ -14,9 +14,10 @@ Where things live:
   `rpos`, updated by kernels, and re-uploaded only when the host's changed behind its back
   (trim, reset). `sync_to_host` copies the rings and exact copies back (saving a session).
 - Host crossings per decode step: the token id and position in; slot indices of the ring and
-  of the exact slots (small uploads, shared by all layers of one ring size); the logits out. The interface hands the
-  sampler host logits, so the vocabulary projection (the GGUF's output.weight, or
-  token_embd.weight when tied) is the one matmul whose result is copied back.
+  of the exact slots (small uploads, shared by all layers of one ring size); the logits out.
+  The interface hands the sampler host logits, so the vocabulary projection (the GGUF's
+  output.weight, or token_embd.weight when tied) is the one matmul whose result is copied
+  back. Once per sequence an int cache's first batch of q and k goes down for `calibrate`.
 Nothing here is imported unless a CUDA device is asked for.
 """
 from __future__ import annotations
