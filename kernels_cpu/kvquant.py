@@ -409,7 +409,7 @@ def _check_kind(kind: str, hd: int) -> None:
 
 _NO_H = np.zeros((0, 0, 0), np.uint16)
 _NO_B = np.zeros((0, 0, 0), np.int8)
-_NO_SB = np.zeros((0, 0), np.float32)
+NO_SINK_BIAS = np.zeros((0, 0), np.float32)  # kv_attention's sink_bias when there is none
 
 
 def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -796,6 +796,18 @@ def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, w
                 _finish_row(row, _F1 / den if den > _F0 else _F0, perm, v_rotated, B, out, i, h)
 
 
+def _check_extra(name: str, k, v, pos, dtype, n_head_kv: int, hd: int) -> None:
+    """kv_attention's extra key sources (fresh / recent): k, v (m, Hkv, hd) of dtype, pos (m,) int64."""
+    for a in (k, v):
+        if a is None or a.dtype != dtype or a.ndim != 3 or a.shape[1:] != (n_head_kv, hd) or not a.flags.c_contiguous:
+            got = "None" if a is None else f"{a.dtype}{a.shape}"
+            raise ValueError(f"kv_attention: {name}_k, {name}_v must be {np.dtype(dtype)} (m, {n_head_kv}, {hd}), "
+                             f"C-contiguous, not {got}")
+    m = k.shape[0]
+    if v.shape[0] != m or pos is None or pos.dtype != np.int64 or pos.shape != (m,):
+        raise ValueError(f"kv_attention: {name}_v {v.shape} and {name}_pos must match {name}_k's {m} rows ({name}_pos int64)")
+
+
 def kv_attention(
     kind: str,
     q: np.ndarray,
@@ -877,29 +889,17 @@ def kv_attention(
     if fresh_k is None and fresh_v is None and fresh_pos is None:
         fresh_k = fresh_v = np.zeros((0, n_head_kv, hd), np.float32)
         fresh_pos = np.zeros(0, np.int64)
-    for a in (fresh_k, fresh_v):
-        if a is None or a.dtype != np.float32 or a.ndim != 3 or a.shape[1:] != (n_head_kv, hd) or not a.flags.c_contiguous:
-            got = "None" if a is None else f"{a.dtype}{a.shape}"
-            raise ValueError(f"kv_attention: fresh_k, fresh_v must be float32 (m, {n_head_kv}, {hd}), C-contiguous, not {got}")
-    m = fresh_k.shape[0]
-    if fresh_v.shape[0] != m or fresh_pos is None or fresh_pos.dtype != np.int64 or fresh_pos.shape != (m,):
-        raise ValueError(f"kv_attention: fresh_v {fresh_v.shape} and fresh_pos must match fresh_k's {m} keys (fresh_pos int64)")
+    _check_extra("fresh", fresh_k, fresh_v, fresh_pos, np.float32, n_head_kv, hd)
     if not 0 <= n_sink <= cap or window < 0:
         raise ValueError(f"kv_attention: n_sink={n_sink} must be in [0, {cap}], window={window} >= 0")
     if recent_k is None and recent_v is None and recent_pos is None:
         recent_k = recent_v = np.zeros((0, n_head_kv, hd), np.float16)
         recent_pos = np.zeros(0, np.int64)
-    for a in (recent_k, recent_v):
-        if a is None or a.dtype != np.float16 or a.ndim != 3 or a.shape[1:] != (n_head_kv, hd) or not a.flags.c_contiguous:
-            got = "None" if a is None else f"{a.dtype}{a.shape}"
-            raise ValueError(f"kv_attention: recent_k, recent_v must be float16 (r, {n_head_kv}, {hd}), C-contiguous, not {got}")
-    r = recent_k.shape[0]
-    if recent_v.shape[0] != r or recent_pos is None or recent_pos.dtype != np.int64 or recent_pos.shape != (r,):
-        raise ValueError(f"kv_attention: recent_v {recent_v.shape} and recent_pos must match recent_k's {r} slots (recent_pos int64)")
+    _check_extra("recent", recent_k, recent_v, recent_pos, np.float16, n_head_kv, hd)
     if recent < 0 or first < 0:
         raise ValueError(f"kv_attention: recent={recent}, first={first} must be >= 0")
     if sink_bias is None:
-        sink_bias = _NO_SB
+        sink_bias = NO_SINK_BIAS
     elif sink_bias.dtype != np.float32 or sink_bias.shape != (n, n_head) or not sink_bias.flags.c_contiguous:
         raise ValueError(f"kv_attention: sink_bias {sink_bias.dtype}{sink_bias.shape} must be float32 ({n}, {n_head}), C-contiguous")
     if out is None:

@@ -14,8 +14,6 @@ from ..kvcache import LayerKV
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
 _NONE2 = np.empty((0, 0), np.float32)  # and residual
-_NO_SB = np.zeros((0, 0), np.float32)  # kv_attention's sink_bias when there is none
-_NO_POS = np.zeros(0, np.int64)
 
 
 def physical_cores() -> int:
@@ -162,7 +160,7 @@ class CPUBackend:
                                (self.ops.rope_freqs(base, n_rot, rscale), neox, shift), scale, np.empty_like(q))
             kv.n_written += 1
             return out
-        q_sink, sink_bias = q, _NO_SB
+        q_sink, sink_bias = q, kq.NO_SINK_BIAS
         shift = max(int(q_pos[-1]) - kv.capacity + 1, 0) if kv.n_sink else 0  # the batch's largest
         if shift:  # sinks seen from just before the window (StreamingLLM)
             base, neox, n_rot, rscale = rope
@@ -191,7 +189,7 @@ class CPUBackend:
             fk, fv, fpos = k_stored, v, q_pos
         else:
             fk = fv = np.zeros((0,) + k.shape[1:], np.float32)
-            fpos = _NO_POS
+            fpos = q_pos[:0]
         out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
                               fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
                               recent_v=kv.rv, recent_pos=kv.rpos, recent=kv.recent, exact_lo=e0, first=kv.first,
