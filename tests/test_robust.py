@@ -410,6 +410,16 @@ def test_ctrl_c_on_a_wrapped_ring_keeps_the_cache():
     cached conversation instead of prefilling it again."""
     import signal
 
+    # Python's own Ctrl-C handler, as in a terminal (a run started in the background by a shell
+    # without job control inherits SIGINT ignored, and then Python installs none)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_on_a_wrapped_ring(signal)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _ctrl_c_on_a_wrapped_ring(signal):
     llm = get_llm("smollm2", n_ctx=64)
     s = llm.session(temperature=0, max_tokens=60)
     s.send("Summarize: " + " ".join(f"fact {i} is {i * 3}." for i in range(12)))
