@@ -390,7 +390,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_llvmlite_cleanup(hook):
+    """An unraisable-exception hook that drops the cleanup error of an LLVM object half-made
+    when Ctrl-C stopped a JIT compile (llvmlite's ObjectRef.__del__): harmless, the next
+    compile starts over, and a traceback is not what a person pressing Ctrl-C should see."""
+
+    def quiet(u):
+        if not getattr(u.object, "__module__", "").startswith("llvmlite."):
+            hook(u)
+
+    quiet.edgekv = True
+    return quiet
+
+
 def main(argv: list[str] | None = None) -> int:
+    if not getattr(sys.unraisablehook, "edgekv", False):
+        sys.unraisablehook = _quiet_llvmlite_cleanup(sys.unraisablehook)
     args = build_parser().parse_args(argv)
     if not getattr(args, "func", None):
         build_parser().print_help()

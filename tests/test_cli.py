@@ -157,3 +157,18 @@ def test_int4_chat_runs_far_past_the_ring():
     t.read_until("> ")
     t.send("\x04")
     assert t.wait() == 0
+
+
+def test_ctrl_c_during_a_jit_compile_prints_no_llvmlite_traceback(monkeypatch):
+    """Ctrl-C mid-compile leaves a half-made LLVM object whose cleanup raises in __del__; the
+    CLI's unraisable hook drops exactly that, and passes every other one on."""
+    import types
+
+    from llvmlite.binding import ffi
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.object))
+    main(["list"])
+    sys.unraisablehook(types.SimpleNamespace(object=ffi.ObjectRef.__del__, exc_value=AttributeError()))
+    sys.unraisablehook(types.SimpleNamespace(object=len, exc_value=ValueError()))
+    assert seen == [len]
