@@ -21,32 +21,17 @@ in another type than q and k), written side by side.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import get_num_threads, njit
 
 from .kvquant import KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, _decode_core
-from .ops import _rope_token
+from .ops import _rmsnorm_row, _rope_token
 from .qmatmul import PRE, PRE_NONE, PRE_NORM, QWeight, _qmatvec
 
 _E1 = np.empty(0, np.float32)
 _NO_W = np.zeros((0, 1), np.uint8)
 _NO_W.setflags(write=False)  # the type of a memory-mapped weight: read-only
 _NO_RUN = (_NO_W, _NO_W, _NO_W)
-
-
-@njit(cache=True, error_model="numpy")
-def _norm_heads(x, w, eps, h0, h1):
-    """x[0, h] = rmsnorm(x[0, h]) * w for heads h0:h1 of x (1, heads, hd), in place."""
-    hd = x.shape[2]
-    for h in range(h0, h1):
-        ss = 0.0  # float64, as ops.rmsnorm
-        for c in range(hd):
-            ss += np.float64(x[0, h, c]) * np.float64(x[0, h, c])
-        s = np.float32(1.0 / math.sqrt(ss / hd + eps))
-        for c in range(hd):
-            x[0, h, c] = (x[0, h, c] * s) * w[c]
 
 
 @njit(cache=True, error_model="numpy")
@@ -68,9 +53,12 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, rope, layer, n_written, par):
         for c in range(qkv.shape[1]):
             qkv[0, c] += qkv_bias[c]
     qkv3 = qkv.reshape(1, H + 2 * Hkv, hd)  # (1, heads, hd) view
-    if q_norm.shape[0]:
-        _norm_heads(qkv3, q_norm, eps, 0, H)
-        _norm_heads(qkv3, k_norm, eps, H, H + Hkv)
+    if q_norm.shape[0]:  # per head, in place: rows of the (heads, hd) view
+        heads = qkv3[0]
+        for h in range(H):
+            _rmsnorm_row(heads, q_norm, eps, heads, h)
+        for h in range(H, H + Hkv):
+            _rmsnorm_row(heads, k_norm, eps, heads, h)
     cs = np.empty(inv_freq.shape[0], np.float32)
     sn = np.empty(inv_freq.shape[0], np.float32)
     _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, 0, cs, sn)  # q and k: the first H + Hkv heads

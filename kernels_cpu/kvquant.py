@@ -228,6 +228,12 @@ def _deq_rows(kind, h, b, s, j0, nj, g, dst):
 
 
 @njit(inline="always", **_EXACT)
+def _level4(x, inv):
+    """The int4 level of x (float32) at inverse step inv (float64): round, clamp to [-8, 7]."""
+    return min(max(np.rint(np.float64(x) * inv), -8.0), 7.0)
+
+
+@njit(inline="always", **_EXACT)
 def _quant_row(kind, x, ring, j, g, rule):
     """Quantize x (hd,) float32, in original order, into row (slot j, kv head g) of ring."""
     h, b, s = ring
@@ -267,7 +273,7 @@ def _quant_row(kind, x, ring, j, g, rule):
                     sxq = 0.0
                     sqq = 0.0
                     for c in range(32 * gi, 32 * gi + 32):
-                        qv = min(max(np.rint(np.float64(x[c]) * cinv), -8.0), 7.0)
+                        qv = _level4(x[c], cinv)
                         sxq += np.float64(x[c]) * qv
                         sqq += qv * qv
                     score = sxq * sxq / sqq if sqq > 0.0 else 0.0
@@ -278,8 +284,8 @@ def _quant_row(kind, x, ring, j, g, rule):
                 hs = _narrow(np.float32(best_d))
                 s[j, g, gi] = hs
                 for i in range(16):
-                    lo = min(max(np.rint(np.float64(x[32 * gi + 2 * i]) * best_inv), -8.0), 7.0)
-                    hi = min(max(np.rint(np.float64(x[32 * gi + 2 * i + 1]) * best_inv), -8.0), 7.0)
+                    lo = _level4(x[32 * gi + 2 * i], best_inv)
+                    hi = _level4(x[32 * gi + 2 * i + 1], best_inv)
                     b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
                 continue
             hs = _narrow(smax / np.float32(-8.0) if rule == _INT4_Q4_0 else amax / np.float32(7.0))
@@ -940,27 +946,19 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out):
     qo = np.empty((1, n_head, hd), np.float32)  # q and k in the ring's key space
     ko = np.empty((1, n_head_kv, hd), np.float32)
     vo = np.empty((1, n_head_kv, hd), np.float32)
-    for g in range(n_head_kv):
-        for c in range(hd):
-            vo[0, g, c] = v[0, g, c]
+    vo[:] = v
     if rotated:
         _kv_space_core(q, k, mu, kmul, B, qo, ko)
     else:
-        for h in range(n_head):
-            for c in range(hd):
-                qo[0, h, c] = q[0, h, c]
-        for g in range(n_head_kv):
-            for c in range(hd):
-                ko[0, g, c] = k[0, g, c]
+        qo[:] = q
+        ko[:] = k
     # sinks, once the ring is full, are scored by q turned back by `shift` positions
     # (LayerKV.sink_shift), with their share of the key offset added back (LayerKV.sink_bias)
     sb = np.zeros((1 if shift and rotated else 0, n_head), np.float32)  # (1, H) or none
     qs = qo
     if shift:
         qr = np.empty((1, n_head, hd), np.float32)
-        for h in range(n_head):
-            for c in range(hd):
-                qr[0, h, c] = q[0, h, c]
+        qr[:] = q
         spos = np.empty(1, np.int64)
         spos[0] = -shift
         cs = np.empty(inv_freq.shape[0], np.float32)

@@ -88,16 +88,19 @@ class CPUBackend:
         for a batch, or an empty cache (an int ring calibrates on its first batch)."""
         if pos.shape[0] != 1 or not kv.n_written or x.dtype != np.float32 or not x.flags.c_contiguous:
             return False
-        if kv.backend_state is None:
-            kv.backend_state = self._decode_layer(kv)
-        shift = max(int(pos[0]) - kv.pos.shape[0] + 1, 0) if kv.n_sink else 0
-        self.blk.decode_block(pack, x, pos, kv.backend_state, kv.n_written, shift)
+        self.blk.decode_block(pack, x, pos, *self._decode_state(kv, pos))
         kv.n_written += 1
         return True
 
-    def _decode_layer(self, kv: LayerKV) -> tuple:
-        return self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink, kv.span,
-                                        kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu, kv.kmul)
+    def _decode_state(self, kv: LayerKV, pos: np.ndarray) -> tuple:
+        """(packed cache arrays, tokens written, sink shift) for one token at pos (1,): the pack
+        made once per cache (kvquant.kv_decode_layer), the shift as LayerKV.sink_shift."""
+        if kv.backend_state is None:
+            kv.backend_state = self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
+                                                        kv.span, kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu,
+                                                        kv.kmul)
+        shift = max(int(pos[0]) - kv.capacity + 1, 0) if kv.n_sink else 0
+        return kv.backend_state, kv.n_written, shift
 
     # -- ops -------------------------------------------------------------------------
     # The decode step calls these ~5 times a layer; they go straight to the jitted cores (the
@@ -151,12 +154,10 @@ class CPUBackend:
         n = q_pos.shape[0]
         q = np.ascontiguousarray(q)
         if n == 1 and kv.n_written:  # decode: one call (an empty int ring calibrates first, below)
-            if kv.backend_state is None:
-                kv.backend_state = self._decode_layer(kv)
             base, neox, n_rot, rscale = rope
-            shift = max(int(q_pos[0]) - kv.pos.shape[0] + 1, 0) if kv.n_sink else 0
-            out = kq.kv_decode(kv.backend_state, q, np.ascontiguousarray(k, dtype=np.float32),
-                               np.ascontiguousarray(v, dtype=np.float32), q_pos, kv.n_written,
+            state, n_written, shift = self._decode_state(kv, q_pos)
+            out = kq.kv_decode(state, q, np.ascontiguousarray(k, dtype=np.float32),
+                               np.ascontiguousarray(v, dtype=np.float32), q_pos, n_written,
                                (self.ops.rope_freqs(base, n_rot, rscale), neox, shift), scale, np.empty_like(q))
             kv.n_written += 1
             return out
@@ -202,13 +203,9 @@ class CPUBackend:
     def _store(self, kv: LayerKV, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
         """k (n, Hkv, hd) already in the ring's key space (rotated for int kinds)."""
         n = len(pos)
-        if n == 1:  # decode: the slot by integer arithmetic, as LayerKV.slots
-            i, cap, s = kv.n_written, kv.capacity, kv.n_sink
-            slots = np.array([i if i < cap else s + (i - s) % max(cap - s, 1)], np.int64)
-        else:
-            sel, slots = kv.last_writers(n)
-            if len(sel) != n:  # the batch wraps the ring: only each slot's last writer lands
-                k, v, pos = np.ascontiguousarray(k[sel]), np.ascontiguousarray(v[sel]), pos[sel]
+        sel, slots = kv.last_writers(n)
+        if len(sel) != n:  # the batch wraps the ring: only each slot's last writer lands
+            k, v, pos = np.ascontiguousarray(k[sel]), np.ascontiguousarray(v[sel]), pos[sel]
         self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, False, check=False)
         self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False, check=False)
         kv.pos[slots] = pos
