@@ -2,14 +2,19 @@
 
 Tests: ppN (prefill N tokens) and tgN (generate N tokens one by one), each at a context depth d
 already in the cache (not timed). Random token ids, no sampling: only the model is timed.
-The two runtimes run interleaved, rep by rep, so a noisy machine hits both alike.
+The two runtimes run interleaved, rep by rep, so a noisy machine hits both alike. With
+`background_load=N`, every rep runs once quiet and once beside N busy processes (a desktop
+where other programs use the cores), so the two conditions are measured side by side too.
 """
 from __future__ import annotations
 
 import gc
 import json
+import os
 import resource
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +33,8 @@ class Case:
     depth: int
     kv: str
     threads: int
+    auto: bool = False  # edgekv picks its count (at most `threads`) from the free cores
+    load: int = 0  # busy processes running beside it
 
     @property
     def name(self) -> str:
@@ -133,25 +140,62 @@ class LlamaCppRunner:
         return case.n / (time.perf_counter() - t)
 
 
-def plan(prompt: list[int], gen: list[int], depths: list[int], kvs: list[str], threads: list[int]) -> list[Case]:
+class BackgroundLoad:
+    """n busy processes (one spinning Python loop each), stopped except inside `with`."""
+
+    SETTLE_S = 0.6  # after switching: the processes are at full speed, and the runtimes see an
+    # idle gap as a new call after a pause does (edgekv then looks at the load again)
+
+    def __init__(self, n: int):
+        if n and not hasattr(signal, "SIGSTOP"):
+            raise EdgekvError("--background-load needs a POSIX system (it pauses its busy processes)")
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        self._signal(signal.SIGSTOP) if n else None
+
+    def _signal(self, sig) -> None:
+        for p in self.procs:
+            os.kill(p.pid, sig)
+
+    def __enter__(self):
+        self._signal(signal.SIGCONT)
+        time.sleep(self.SETTLE_S)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._signal(signal.SIGSTOP)
+        time.sleep(self.SETTLE_S if self.procs else 0)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+_QUIET = BackgroundLoad(0)
+
+
+def plan(prompt: list[int], gen: list[int], depths: list[int], kvs: list[str], threads: list[int | None],
+         loads: list[int] = (0,)) -> list[Case]:
+    """The cases; a thread count of None is edgekv's own choice (at most the physical cores)."""
+    from .backends.cpu import physical_cores
+
     cases = []
     for t in threads:
         for kv in kvs:
             for d in depths:
-                cases += [Case(f"pp{n}", n, d, kv, t) for n in prompt if n]
-                cases += [Case(f"tg{n}", n, d, kv, t) for n in gen if n]
+                for test, n in [(f"pp{n}", n) for n in prompt if n] + [(f"tg{n}", n) for n in gen if n]:
+                    cases += [Case(test, n, d, kv, t or physical_cores(), t is None, load) for load in loads]
     return cases
 
 
 def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), threads=(None,), reps=3,
-              compare: bool = False, progress: bool = True, seed: int = 0) -> dict:
-    """Run the matrix; returns {"rows": [...], "bandwidth": B/s, "model": ...}."""
+              compare: bool = False, progress: bool = True, seed: int = 0, background_load: int = 0) -> dict:
+    """Run the matrix; returns {"rows": [...], "bandwidth": B/s, "model": ...}. threads None:
+    edgekv chooses (as it does by default), llama.cpp gets the physical cores (its default)."""
     from tqdm import tqdm
 
-    from .backends.cpu import physical_cores
-
-    threads = [t or physical_cores() for t in threads]
-    cases = plan(list(prompt), list(gen), list(depths), list(kvs), threads)
+    loads = [0, background_load] if background_load else [0]
+    cases = plan(list(prompt), list(gen), list(depths), list(kvs), list(threads), loads)
     n_ctx_need = max(c.depth + c.n for c in cases) + 8
     runtimes = [EdgekvRunner]
     if compare:
@@ -165,49 +209,67 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
     bar = tqdm(total=len(cases) * len(runtimes) * (reps + 1), desc="bench", file=sys.stderr, disable=not progress)
     rng = np.random.default_rng(seed)
     by_setup: dict = {}
-    for c in cases:
-        by_setup.setdefault((c.kv, c.threads), []).append(c)
-    for (kv, t), group in by_setup.items():
-        runners = [R(path, n_ctx_need, kv, t) for R in runtimes]
-        wbytes = decode_weight_bytes(runners[0].llm)
-        # `edgekv synth` files: real shapes, random weights; their speed means something, their text not
-        synthetic = bool(runners[0].llm.file.meta.get("edgekv.synthetic", False))
-        for c in group:
-            row_set = [Row(c, r.name, kv_bytes=r.kv_bytes(), weight_bytes_per_token=wbytes) for r in runners]
-            for rep in range(reps + 1):  # rep 0 warms up (JIT, page cache) and is not counted
-                for r, row in zip(runners, row_set):
-                    tps = r.run(c, rng)
-                    if rep:
-                        row.samples.append(tps)
-                    bar.update(1)
-            for row in row_set:
-                row.peak_rss = peak_rss_bytes()
-            rows += row_set
-        del runners
-        gc.collect()
-    bar.close()
+    for c in cases:  # one model load per (cache, threads); each test's loads side by side
+        by_setup.setdefault((c.kv, c.threads, c.auto), {}).setdefault((c.name, c.n), []).append(c)
+    bg = BackgroundLoad(background_load)
+    try:
+        for (kv, t, auto), tests in by_setup.items():
+            runners = [R(path, n_ctx_need, kv, None if auto and R is EdgekvRunner else t) for R in runtimes]
+            wbytes = decode_weight_bytes(runners[0].llm)
+            # `edgekv synth` files: real shapes, random weights; their speed means something, their text not
+            synthetic = bool(runners[0].llm.file.meta.get("edgekv.synthetic", False))
+            for group in tests.values():
+                row_set = {c.load: [Row(c, r.name, kv_bytes=r.kv_bytes(), weight_bytes_per_token=wbytes)
+                                    for r in runners] for c in group}
+                for rep in range(reps + 1):  # rep 0 warms up (JIT, page cache), quiet, not counted
+                    for c in group if rep else group[:1]:
+                        with bg if c.load else _QUIET:
+                            for r, row in zip(runners, row_set[c.load]):
+                                tps = r.run(c, rng)
+                                if rep:
+                                    row.samples.append(tps)
+                                bar.update(1 if rep else len(group))
+                for rs in row_set.values():
+                    for row in rs:
+                        row.peak_rss = peak_rss_bytes()
+                        rows.append(row)
+            del runners
+            gc.collect()
+    finally:
+        bg.close()
+        bar.close()
     bandwidth = measure_read_bandwidth()  # last: its 1 GiB array must not count in peak RSS
-    return {"rows": rows, "bandwidth": bandwidth, "model": str(path), "synthetic": synthetic}
+    return {"rows": rows, "bandwidth": bandwidth, "model": str(path), "synthetic": synthetic,
+            "background_load": background_load}
 
 
 def to_records(result: dict) -> list[dict]:
     recs = []
     bw = result["bandwidth"]
     base = {}
+    quiet = {}
     for row in result["rows"]:
         if row.runtime == "llama.cpp":
-            base[(row.case.name, row.case.kv, row.case.threads)] = row.mean
+            base[(row.case.name, row.case.kv, row.case.threads, row.case.load)] = row.mean
+        if not row.case.load:
+            quiet[(row.runtime, row.case.name, row.case.kv, row.case.threads)] = row.mean
     for row in result["rows"]:
         c = row.case
-        rec = dict(test=c.name, kv=c.kv, threads=c.threads, runtime=row.runtime, tokens_per_s=round(row.mean, 2),
-                   stddev=round(row.std, 2))
+        threads = f"auto<={c.threads}" if c.auto and row.runtime == "edgekv" else c.threads
+        rec = dict(test=c.name, kv=c.kv, threads=threads, runtime=row.runtime)
+        if result.get("background_load"):
+            rec["load"] = c.load
+        rec.update(tokens_per_s=round(row.mean, 2), stddev=round(row.std, 2))
         if c.test.startswith("tg"):
             gbs = row.weight_bytes_per_token * row.mean / 1e9
             rec.update(weight_gb_per_s=round(gbs, 2), bandwidth_share=round(gbs * 1e9 / bw, 3))
         rec.update(kv_mib=round(row.kv_bytes / 2**20, 1), peak_rss_mib=round(row.peak_rss / 2**20, 1))
-        ref = base.get((c.name, c.kv, c.threads))
+        ref = base.get((c.name, c.kv, c.threads, c.load))
         if ref and row.runtime == "edgekv":
             rec["ratio_vs_llama_cpp"] = round(row.mean / ref, 3)
+        calm = quiet.get((row.runtime, c.name, c.kv, c.threads))
+        if c.load and calm:
+            rec["ratio_vs_quiet"] = round(row.mean / calm, 3)
         recs.append(rec)
     return recs
 
@@ -217,15 +279,18 @@ def format_table(result: dict, fmt: str = "md") -> str:
     if fmt == "json":
         return json.dumps({"model": result["model"], "synthetic": result.get("synthetic", False),
                            "read_bandwidth_gb_s": round(result["bandwidth"] / 1e9, 2),
+                           "background_load": result.get("background_load", 0),
                            "rows": recs}, indent=2)
-    cols = ["test", "kv", "threads", "runtime", "tokens_per_s", "stddev", "weight_gb_per_s", "bandwidth_share",
-            "kv_mib", "peak_rss_mib", "ratio_vs_llama_cpp"]
+    cols = ["test", "kv", "threads", "runtime", "load", "tokens_per_s", "stddev", "weight_gb_per_s",
+            "bandwidth_share", "kv_mib", "peak_rss_mib", "ratio_vs_llama_cpp", "ratio_vs_quiet"]
     cols = [c for c in cols if any(c in r for r in recs)]
     if fmt == "csv":
         lines = [",".join(cols)] + [",".join(str(r.get(c, "")) for c in cols) for r in recs]
         return "\n".join(lines)
     synth = " (synthetic: real shapes, random weights; speed only)" if result.get("synthetic") else ""
-    head = f"model: {result['model']}{synth}; measured read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s\n\n"
+    load = result.get("background_load")
+    load = f"; load = busy processes beside the run ({load} or none)" if load else ""
+    head = f"model: {result['model']}{synth}; measured read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s{load}\n\n"
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in recs:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")

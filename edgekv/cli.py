@@ -265,7 +265,8 @@ def cmd_bench(args) -> int:
     path = resolve(args.model, progress=not args.quiet)
     result = run_bench(path, prompt=_ints(args.p), gen=_ints(args.n), depths=_ints(args.d), kvs=args.kv.split(","),
                        threads=_ints(args.t) if args.t else [None], reps=args.r,
-                       compare=args.compare == "llama.cpp", progress=not args.quiet)
+                       compare=args.compare == "llama.cpp", progress=not args.quiet,
+                       background_load=args.background_load)
     print(format_table(result, args.o))
     if args.plot:
         plot(result, args.plot)
@@ -361,7 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-n", default="128", help="tokens to generate, comma-separated (0 = none)")
     s.add_argument("-d", default="0", help="context depths already filled, comma-separated")
     s.add_argument("-r", type=int, default=3, help="repetitions")
-    s.add_argument("-t", default="", help="thread counts, comma-separated (default: physical cores)")
+    s.add_argument("-t", default="", help="thread counts, comma-separated (default: edgekv picks at most the "
+                   "physical cores by the load, as run/chat do; llama.cpp gets the physical cores)")
+    s.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="also run every test beside N busy processes, quiet and loaded side by side")
     s.add_argument("--kv", default="f16", help="cache types, comma-separated")
     s.add_argument("-o", default="md", choices=["md", "json", "csv"])
     s.add_argument("--compare", choices=["llama.cpp"], default=None)

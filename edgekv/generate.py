@@ -150,17 +150,6 @@ def _serial_lock(llm):
     return _WORKQUEUE_LOCK if numba.config.THREADING_LAYER in ("default", "workqueue") else _NO_DEFER
 
 
-def _use_backend_threads(llm) -> None:
-    """numba's thread count belongs to the calling thread: give this one the LLM's (a GUI's
-    worker thread would otherwise run on every logical core, whatever `threads=` said)."""
-    n = getattr(llm.backend, "threads", None)
-    if n:
-        import numba
-
-        if numba.get_num_threads() != n:
-            numba.set_num_threads(n)
-
-
 class _DeferSigint:
     """Holds back Ctrl-C (SIGINT under Python's default handler, main thread only) for the
     duration of a block and raises KeyboardInterrupt when it ends."""
@@ -223,7 +212,6 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
     max_tokens, yielding an Event per token; the last event carries finish_reason."""
     if not prompt_ids:
         raise EdgekvError("empty prompt: nothing to continue from")
-    _use_backend_threads(llm)
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """`LLM`: a loaded model — file, backend, weights, tokenizer, chat template — and the ways to run it."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -16,6 +17,7 @@ from .gguf_file import GGUFFile
 from .kvcache import KV_KINDS, KVCache
 
 UBATCH = 512  # prefill chunk: bounds activation memory, and the attention working set
+_NO_STEP = contextlib.nullcontext()
 
 
 class LLM:
@@ -72,10 +74,12 @@ class LLM:
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise EdgekvError(f"token id out of range [0, {self.cfg.n_vocab})")
         outs = []
+        step = getattr(self.backend, "step", None)  # the CPU backend's thread count for this pass
         for s in range(0, len(ids), UBATCH):
             chunk = ids[s : s + UBATCH]
             pos = np.arange(start_pos + s, start_pos + s + len(chunk), dtype=np.int64)
-            logits = self.model.forward(chunk, pos, cache, last_only=last_only)
+            with step(len(chunk)) if step else _NO_STEP:
+                logits = self.model.forward(chunk, pos, cache, last_only=last_only)
             if not last_only or s + UBATCH >= len(ids):
                 outs.append(logits)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)

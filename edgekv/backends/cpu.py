@@ -5,12 +5,15 @@ Weights stay as raw GGUF blocks in the memory map, never copied or dequantized.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
 from ..gguf_file import Tensor
 from ..kvcache import LayerKV
+from .threads import ThreadTuner
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
 _NONE2 = np.empty((0, 0), np.float32)  # and residual
@@ -30,6 +33,7 @@ def physical_cores() -> int:
 
 
 def _init_numba(threads: int | None) -> int:
+    """Choose numba's threading layer (before its first parallel call); the most threads to use."""
     import numba
 
     # workqueue (numba's fallback) is not safe when several Python threads call parallel
@@ -49,14 +53,51 @@ def _init_numba(threads: int | None) -> int:
     return n
 
 
+class _Step:
+    __slots__ = ("tuner", "n", "tokens", "t0")
+
+    def __init__(self, tuner: ThreadTuner | None, n: int, tokens: int):
+        self.tuner, self.n, self.tokens = tuner, n, tokens
+
+    def __enter__(self):
+        import numba
+
+        n = self.tuner.begin() if self.tuner is not None else self.n
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc, *_):
+        if self.tuner is not None and exc is None:
+            self.tuner.end(time.perf_counter() - self.t0, self.tokens)
+
+
 class CPUBackend:
     name = "cpu"
 
     def __init__(self, threads: int | None = None):
         from ..kernels_cpu import block, kvquant, ops, qmatmul
 
-        self.threads = _init_numba(threads)
+        self.threads = _init_numba(threads)  # the most threads a forward pass uses
+        self.auto_threads = threads is None  # None: fewer while other programs keep cores busy
+        self._local = threading.local()  # numba's thread count belongs to the calling thread
         self.ops, self.qm, self.kvq, self.blk = ops, qmatmul, kvquant, block
+
+    # -- threads ---------------------------------------------------------------------
+    def step(self, tokens: int) -> "_Step":
+        """A context for one forward pass of `tokens` tokens in the calling thread: it runs with
+        this thread's tuned count (backends.threads), and its time teaches the tuner."""
+        tuner = getattr(self._local, "tuner", None)
+        if tuner is None:
+            tuner = self._local.tuner = ThreadTuner(self.threads) if self.auto_threads else None
+        return _Step(tuner, self.threads, tokens)
+
+    @property
+    def current_threads(self) -> int:
+        """The count this thread's forward passes use now."""
+        tuner = getattr(self._local, "tuner", None)
+        return tuner.n if tuner is not None else self.threads
 
     # -- weights ---------------------------------------------------------------------
     def prepare(self, t: Tensor):
