@@ -154,3 +154,15 @@ def test_decode_beside_busy_processes_finishes_in_bounded_time():
             p.kill()
             p.wait()
     assert times[None] < 3 * times[1] + 2.0, times
+
+
+def test_other_passes_of_this_process_count_as_load(monkeypatch):
+    """Sessions generating side by side in one process: /proc cannot tell their workers from
+    ours, so the passes in flight are counted from the backend's own table."""
+    monkeypatch.setattr(T, "runnable_elsewhere", lambda: 0)
+    assert T.free_cores(4) == 4
+    monkeypatch.setitem(T.RUNNING, -1, 3)  # another thread's pass, 3 threads
+    assert T.free_cores(4) == 1
+    import threading
+    monkeypatch.setitem(T.RUNNING, threading.get_native_id(), 2)  # our own pass is not load
+    assert T.free_cores(4) == 1

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..gguf_file import Tensor
 from ..kvcache import LayerKV
-from .threads import ThreadTuner
+from .threads import RUNNING, ThreadTuner
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
 _NONE2 = np.empty((0, 0), np.float32)  # and residual
@@ -54,7 +54,7 @@ def _init_numba(threads: int | None) -> int:
 
 
 class _Step:
-    __slots__ = ("tuner", "n", "tokens", "t0")
+    __slots__ = ("tuner", "n", "tokens", "t0", "tid")
 
     def __init__(self, tuner: ThreadTuner | None, n: int, tokens: int):
         self.tuner, self.n, self.tokens = tuner, n, tokens
@@ -65,12 +65,16 @@ class _Step:
         n = self.tuner.begin() if self.tuner is not None else self.n
         if numba.get_num_threads() != n:
             numba.set_num_threads(n)
+        self.tid = threading.get_native_id()
+        RUNNING[self.tid] = n
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, exc, *_):
+        dt = time.perf_counter() - self.t0
+        RUNNING.pop(self.tid, None)
         if self.tuner is not None and exc is None:
-            self.tuner.end(time.perf_counter() - self.t0, self.tokens)
+            self.tuner.end(dt, self.tokens)
 
 
 class CPUBackend:

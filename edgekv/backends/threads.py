@@ -6,8 +6,9 @@ stalls every region for a scheduler time slice, and decode collapses (0.75 tok/s
 ~150 on two cores with one busy process beside it). Sleeping instead of spinning costs ~60%
 on a quiet machine (every region then waits for a thread to wake). So the count adapts:
 
-- before a call that follows an idle gap, the cores that other programs keep busy are read
-  from /proc (runnable tasks of the system less our own) and that many are left free;
+- before a call that follows an idle gap, the cores that other work keeps busy are read from
+  /proc (runnable tasks of other processes) plus the threads of this process's other forward
+  passes in flight, and that many are left free;
 - every decode step is timed, and now and then a neighbouring count is tried for a few steps:
   one more thread while below the most, one fewer while other programs want a CPU (so a quiet
   machine tries nothing); it is kept if faster, dropped at its first clearly slower step, and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from collections import deque
 
@@ -47,11 +49,22 @@ def runnable_elsewhere() -> int:
         return 0
 
 
+# native thread id -> threads of its forward pass now running: other Python threads of this
+# process (sessions side by side) are load too, but /proc cannot tell their workers from ours
+RUNNING: dict[int, int] = {}
+
+
+def busy_cores() -> int:
+    """CPUs other work wants now: other programs' runnable tasks and this process's other passes."""
+    me = threading.get_native_id()
+    return runnable_elsewhere() + sum(n for t, n in list(RUNNING.items()) if t != me)
+
+
 def free_cores(cores: int, samples: int = 3) -> int:
-    """Cores not kept busy by other programs: the least busy of a few looks 1 ms apart."""
+    """Cores not kept busy by other work: the least busy of a few looks 1 ms apart."""
     busy = cores
     for i in range(samples):
-        busy = min(busy, runnable_elsewhere())
+        busy = min(busy, busy_cores())
         if busy == 0:
             break
         time.sleep(0.001)
@@ -61,7 +74,7 @@ def free_cores(cores: int, samples: int = 3) -> int:
 class ThreadTuner:
     """The thread count for one calling thread's forward passes (numba's count is per thread)."""
 
-    def __init__(self, most: int, look=free_cores, busy=runnable_elsewhere, clock=time.perf_counter):
+    def __init__(self, most: int, look=free_cores, busy=busy_cores, clock=time.perf_counter):
         self.most, self._look, self._busy, self._clock = most, look, busy, clock
         self.n = most
         self.recent: deque[float] = deque(maxlen=9)  # decode step seconds at self.n
