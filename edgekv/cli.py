@@ -264,7 +264,8 @@ def cmd_bench(args) -> int:
         plot_backend()
     path = resolve(args.model, progress=not args.quiet)
     result = run_bench(path, prompt=_ints(args.p), gen=_ints(args.n), depths=_ints(args.d), kvs=args.kv.split(","),
-                       threads=_ints(args.t) if args.t else [None], reps=args.r,
+                       threads=[None if t.strip() == "auto" else int(t) for t in args.t.split(",")] if args.t
+                       else [None], reps=args.r,
                        compare=args.compare == "llama.cpp", progress=not args.quiet,
                        background_load=args.background_load)
     print(format_table(result, args.o))
@@ -362,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-n", default="128", help="tokens to generate, comma-separated (0 = none)")
     s.add_argument("-d", default="0", help="context depths already filled, comma-separated")
     s.add_argument("-r", type=int, default=3, help="repetitions")
-    s.add_argument("-t", default="", help="thread counts, comma-separated (default: edgekv picks at most the "
-                   "physical cores by the load, as run/chat do; llama.cpp gets the physical cores)")
+    s.add_argument("-t", default="", help="thread counts, comma-separated; auto (the default): edgekv picks at most "
+                   "the physical cores by the load, as run/chat do, and llama.cpp gets the physical cores")
     s.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="also run every test beside N busy processes, quiet and loaded side by side")
     s.add_argument("--kv", default="f16", help="cache types, comma-separated")
