@@ -13,8 +13,9 @@ and src/unicode.cpp; the code is written from those facts.
 
 Known differences from llama.cpp: character classes come from the `regex` package, whose Unicode
 version is newer than llama.cpp's tables (15.1), so codepoints assigned after 15.1 may be split
-differently; an unknown `tokenizer.ggml.pre` falls back to "default" with a warning (llama.cpp
-refuses the file); lone surrogates in the input are replaced by U+FFFD.
+differently; lone surrogates in the input are replaced by U+FFFD. A `tokenizer.ggml.pre` name not in
+PRE_TOKENIZERS is refused (UnsupportedModelError), as llama.cpp refuses names it does not know; a
+missing one means "default", with a warning, as in llama.cpp.
 """
 from __future__ import annotations
 
@@ -42,18 +43,78 @@ _TYPE_TO_ATTR = {0: ATTR_UNDEFINED, 1: ATTR_NORMAL, 2: ATTR_UNKNOWN, 3: ATTR_CON
                  4: ATTR_USER_DEFINED, 5: ATTR_UNUSED, 6: ATTR_BYTE}
 
 # Pre-tokenizer regexes as llama.cpp effectively runs them (its hand-written splitters for the
-# gpt2/llama3/qwen2 expressions also split a lone whitespace before a non-space, hence `|\s+`).
-# The `regex` package's \s is the Unicode White_Space set, the same set llama.cpp uses.
+# gpt2/llama3/qwen2/qwen35 expressions also split a lone whitespace before a non-space, hence `|\s+`).
+# The `regex` package's \s is the Unicode White_Space set, the same set llama.cpp uses. llama.cpp
+# runs its other expressions through std::regex on text where each non-ASCII char is collapsed to
+# one byte per category, so \p{Lu}, \p{Ll}, ... all mean "letter": hence tekken/gpt-4o's "[^a-z] letter".
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _CONTRACTIONS_CI = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3 = _CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (_CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_NOT_LOWER, _NOT_UPPER = r"(?:(?=\p{L})[^a-z])", r"(?:(?=\p{L})[^A-Z])"  # a letter outside a-z / A-Z
+
+
+def _cased_words(suffix: str) -> str:
+    """tekken/gpt-4o's words: an upper-then-lower run, or an upper run, each with an optional prefix."""
+    prefix = r"[^\r\n\p{L}\p{N}]?"
+    return (prefix + _NOT_LOWER + "*" + _NOT_UPPER + "+" + suffix + "|"
+            + prefix + _NOT_LOWER + "+" + _NOT_UPPER + "*" + suffix + "|")
+
+
+_TEKKEN = _cased_words("") + r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_GPT4O = _cased_words(_CONTRACTIONS_CI + "?") + r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Expressions with non-ASCII literals run through std::wregex on text whose non-ASCII whitespace
+# became \v, so such whitespace never matches their literal ranges: hence `(?!\s)` before them.
+_CJK_HANGUL = "(?:(?!\\s)[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff])+"  # deepseek's: CJK, U+0800..U+4E00, Hangul
+_DEEPSEEK_LETTERS = (  # deepseek-llm's cased-letter ranges (from its tokenizer.json)
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-"
+    "\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-"
+    "\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-"
+    "\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc"
+    "\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-"
+    "\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-"
+    "\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-"
+    "\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-"
+    "\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-"
+    "\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-"
+    "\U000118df\U0001e900-\U0001e943")
+_DEEPSEEK_PUNCT = "\\s?(?:(?!\\s)[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002])+"  # incl. fullwidth
+_DEEPSEEK3 = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SEED_CODER = _CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+_MINICPM5 = _CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_JAIS2 = (_CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)"
+          r"|\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}")
+_BAILINGMOE = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]|\s+(?!\S)|\s+")
+_EXAONE_MOE = (_CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?"
+               r"|\s*[\r\n]|\s+(?!\S)|\s+")
+_BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"  # anything up to a space or sentence mark
 _PRE_PATTERNS = {  # family -> regexes applied in turn, each splitting the pieces of the previous
     "default": (r"[\p{P}$+<=>^~|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
     "gpt2": (_GPT2,),
     "starcoder": (r"\p{N}", _GPT2),
+    "falcon": (r"[\p{P}$+<=>^~|`]+", _GPT2, r"[0-9][0-9][0-9]"),
     "llama3": (_LLAMA3,),
     "qwen2": (_QWEN2,),
+    "qwen35": (_QWEN35,),
+    "tekken": (_TEKKEN,),
+    "gpt-4o": (_GPT4O,),
+    "deepseek-llm": ("[\r\n]", r"\s?[" + _DEEPSEEK_LETTERS + "]+", _DEEPSEEK_PUNCT, r"\s+\Z", _CJK_HANGUL, r"\p{N}+"),
+    "deepseek-coder": ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}"),
+    "deepseek-v3": (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _DEEPSEEK3),
+    "seed-coder": (_SEED_CODER,),
+    "minicpm5": (r"\p{N}{1,3}", _MINICPM5),
+    "jais-2": (_JAIS2,),
+    "bailingmoe": (_BAILINGMOE,),
+    "exaone-moe": (_EXAONE_MOE,),
+    "laguna": (r"[^\n]+|\n+", _QWEN2),
+    "bloom": (_BLOOM,),
+    "viking": (_BLOOM, r"\p{N}"),
 }
 
 
@@ -66,7 +127,8 @@ class PreTokenizer:
 
 
 # tokenizer.ggml.pre -> how llama.cpp configures that name ("gpt2" is not a llama.cpp name;
-# accepted as an alias of "gpt-2").
+# accepted as an alias of "gpt-2"). Any other name is refused: llama.cpp refuses it too, or it
+# needs splitting or normalization edgekv does not implement.
 PRE_TOKENIZERS = {
     "default": PreTokenizer("default"),
     **{n: PreTokenizer("gpt2") for n in ("gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
@@ -75,13 +137,25 @@ PRE_TOKENIZERS = {
     **{n: PreTokenizer("gpt2", clean_spaces=False) for n in ("trillion", "granite-docling")},
     **{n: PreTokenizer("starcoder") for n in ("starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2")},
     **{n: PreTokenizer("starcoder", clean_spaces=False) for n in ("smollm", "command-r")},
+    "falcon": PreTokenizer("falcon"),
     **{n: PreTokenizer("llama3", ignore_merges=True, add_bos=True)
        for n in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
                  "jina-v5-nano")},
     **{n: PreTokenizer("llama3") for n in ("dbrx", "smaug-bpe")},
     **{n: PreTokenizer("qwen2", clean_spaces=False)
-       for n in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open")},
+       for n in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open", "grok-2")},
     **{n: PreTokenizer("qwen2") for n in ("stablelm2", "megrez")},
+    "qwen35": PreTokenizer("qwen35", clean_spaces=False),
+    "tekken": PreTokenizer("tekken", clean_spaces=False, ignore_merges=True, add_bos=True),
+    **{n: PreTokenizer("gpt-4o", clean_spaces=False) for n in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")},
+    **{n: PreTokenizer(n, clean_spaces=False) for n in ("deepseek-llm", "deepseek-coder")},
+    **{n: PreTokenizer("deepseek-v3", clean_spaces=False) for n in ("deepseek-v3", "hunyuan-dense", "joyai-llm")},
+    **{n: PreTokenizer(n, clean_spaces=False) for n in ("seed-coder", "laguna", "viking")},
+    **{n: PreTokenizer("bailingmoe", clean_spaces=False) for n in ("bailingmoe", "bailingmoe2", "llada-moe")},
+    "minicpm5": PreTokenizer("minicpm5", ignore_merges=True),
+    **{n: PreTokenizer(n) for n in ("jais-2", "exaone-moe", "bloom")},
+    "gpt3-finnish": PreTokenizer("bloom"),
+    "poro-chat": PreTokenizer("bloom", clean_spaces=False),
 }
 
 # Token texts llama.cpp treats as special roles when the file does not name them.
@@ -217,12 +291,10 @@ class Tokenizer:
             if merges is None:
                 raise ModelFileError("BPE tokenizer without tokenizer.ggml.merges")
             pre = PRE_TOKENIZERS.get(pre_name or "default")
-            if pre is None:
-                # llama.cpp refuses unknown names; edgekv degrades to the default regexes instead.
-                warnings.warn(f"tokenizer.ggml.pre {pre_name!r} is not known to edgekv; using 'default' "
-                              "pre-tokenizer regexes (token ids may differ from llama.cpp)", stacklevel=4)
-                pre = PRE_TOKENIZERS["default"]
-            elif not pre_name:
+            if pre is None:  # llama.cpp refuses unknown names too; approximating would give other ids
+                raise UnsupportedModelError(f"tokenizer.ggml.pre {pre_name!r} is not supported by edgekv "
+                                            "(its pre-tokenizer would give other token ids than llama.cpp)")
+            if not pre_name:
                 warnings.warn("GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer regexes, "
                               "as llama.cpp does", stacklevel=4)
             self._pre = pre

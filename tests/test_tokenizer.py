@@ -11,7 +11,7 @@ import pytest
 from conftest import model_path
 from edgekv.errors import EdgekvError, ModelFileError, UnsupportedModelError
 from edgekv.gguf_file import read_metadata
-from edgekv.tokenizer import ATTR_NORMAL, Tokenizer, _clean_spaces
+from edgekv.tokenizer import ATTR_NORMAL, PRE_TOKENIZERS, Tokenizer, _clean_spaces
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS = json.loads((FIXTURES / "tokenizer_corpus.json").read_text(encoding="utf-8"))
@@ -289,9 +289,45 @@ def test_unsupported_and_malformed_metadata():
         Tokenizer.from_metadata({"tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(ModelFileError):
         Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]})
-    with pytest.warns(UserWarning, match="not known to edgekv"):
-        tok = Tokenizer.from_metadata(bpe_meta(["a", "b", "ab"], ["a b"], pre="no-such-pre"))
-    assert tok.encode("ab") == [2]
+    with pytest.raises(UnsupportedModelError, match="'no-such-pre'"):
+        Tokenizer.from_metadata(bpe_meta(["a", "b", "ab"], ["a b"], pre="no-such-pre"))
+
+
+def test_missing_pre_tokenizer_is_default_with_a_warning():
+    meta = bpe_meta(["a", "b", "ab", "1", "2", "3", "12", "123"], ["a b", "1 2", "12 3"])
+    del meta["tokenizer.ggml.pre"]
+    with pytest.warns(UserWarning, match="no tokenizer.ggml.pre"):
+        tok = Tokenizer.from_metadata(meta)
+    assert tok._pre == PRE_TOKENIZERS["default"] and tok.encode("ab123") == [2, 7]
+
+
+# ---------------------------------------------------------------- every pre-tokenizer name llama.cpp knows
+
+PRE_SPLITS = json.loads((FIXTURES / "pre_splits.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("name", sorted(PRE_SPLITS["names"]))
+def test_pre_tokenizer_splits_like_llamacpp(name):
+    """Each name edgekv accepts splits the corpus as llama.cpp's unicode_regex_split does, with
+    llama.cpp's options for that name; every other name is refused with one error naming it."""
+    want = PRE_SPLITS["names"][name]
+    meta = bpe_meta(["a", "b", "ab"], ["a b"], pre=name)
+    if name not in PRE_TOKENIZERS:
+        with pytest.raises(UnsupportedModelError, match=repr(name)):
+            Tokenizer.from_metadata(meta)
+        return
+    assert want["splits"] is not None and not want["other"], f"{name} needs options edgekv does not model"
+    tok = Tokenizer.from_metadata(meta)
+    pre = PRE_TOKENIZERS[name]
+    assert (pre.clean_spaces, pre.ignore_merges, pre.add_bos) == (
+        want["clean_spaces"], want["ignore_merges"], want["add_bos"])
+    bad = [text for text, lengths in zip(PRE_SPLITS["texts"], PRE_SPLITS["splits"][want["splits"]])
+           if [len(piece) for piece in tok._pretokenize(text)] != lengths]
+    assert not bad, f"{len(bad)}/{len(PRE_SPLITS['texts'])} texts split differently, first: {bad[0][:60]!r}"
+
+
+def test_accepted_pre_tokenizer_names_are_llamacpp_names():
+    assert set(PRE_TOKENIZERS) - set(PRE_SPLITS["names"]) == {"gpt2"}  # edgekv's alias of "gpt-2"
 
 
 def test_lone_surrogate_reads_as_replacement_char():
