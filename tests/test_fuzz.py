@@ -354,7 +354,7 @@ def worker_main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     resource.setrlimit(resource.RLIMIT_AS, (spec["mem_limit"], spec["mem_limit"]))
     faulthandler.enable()  # a segfault prints the Python stack to stderr (the parent keeps it)
-    warnings.simplefilter("ignore")  # unknown pre-tokenizer names etc. are warnings, not failures
+    warnings.simplefilter("ignore")  # a missing pre-tokenizer etc. is a warning, not a failure
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write on the answer channel
     mutators: dict = {}
