@@ -87,7 +87,13 @@ ARCH_KEYS = {
     "rope.freq_base": _float(0.0, 1e12, lo_open=True),
     "rope.scaling.type": _STR,
     "rope.scaling.factor": _float(0.0, 1e6, lo_open=True),
+    "rope.scaling.attn_factor": _float(0.0, 1e3, lo_open=True),
+    "rope.scaling.original_context_length": _int(1, MAX_CONTEXT),
     "final_logit_softcapping": _float(0.0, 1e6),
+    "embedding_scale": _float(0.0, 1e6),
+    "residual_scale": _float(0.0, 1e6),
+    "attention.scale": _float(0.0, 1e6),
+    "logit_scale": _float(0.0, 1e6),
     "attn_logit_softcapping": _float(0.0, 1e6),
 }
 # fmt: on

@@ -12,9 +12,9 @@ The block, every norm an RMSNorm times its weight, [..] the optional parts (empt
     [q = norm(q, q_norm); k = norm(k, k_norm)]           per head
     q, k = rope(q), rope(k) at the token's position
     a = attention of q over the layer's cache, k and v stored there (kvquant.kv_decode)
-    x += [norm(] a @ Wo.T [, post_attn_norm)]
+    x += [norm(] r * a @ Wo.T [, post_attn_norm)]       r: the residual scale (granite; else 1)
     g, u = norm(x, ffn_norm) @ Wgu.T                     gate and up side by side
-    x += [norm(] act(g) * u @ Wdown.T [, post_ffw_norm)] act: silu or gelu
+    x += [norm(] act(g) * r * u @ Wdown.T [, post_ffw_norm)] act: silu or gelu
 
 A fused weight (Wqkv, Wgu) comes as up to three runs of one GGML type each (gemma3 keeps v
 in another type than q and k), written side by side.
@@ -35,7 +35,7 @@ _NO_RUN = (_NO_W, _NO_W, _NO_W)
 
 
 @njit(cache=True, error_model="numpy")
-def _block_core(x, q_pos, W, N, dims, eps, scale, rope, layer, n_written, par):
+def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_written, par):
     wqkv, tqkv, mqkv, wo, to, wgu, tgu, mgu, wdown, tdown = W
     attn_norm, qkv_bias, q_norm, k_norm, post_attn, ffn_norm, post_ffw = N
     H, Hkv, hd, act = dims
@@ -70,6 +70,8 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, rope, layer, n_written, par):
     v[0] = qkv3[0, H + Hkv :]
     a = np.empty((1, H, hd), np.float32)
     _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a)
+    if res_scale != 1:
+        a *= res_scale
     o = np.empty((1, x.shape[1]), np.float32)
     _qmatvec(a.reshape(1, H * hd), wo, to, o, 0, PRE_NONE, e1, eps, x, post_attn)  # x += post(o)
     gu = np.empty((1, mgu[0] + mgu[1] + mgu[2]), np.float32)
@@ -78,6 +80,8 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, rope, layer, n_written, par):
         if mgu[r]:
             _qmatvec(x, wgu[r], tgu[r], gu, col, PRE_NORM, ffn_norm, eps, e2, e1)
             col += mgu[r]
+    if res_scale != 1:
+        gu[0, gu.shape[1] // 2 :] *= res_scale  # the up half: act(g) * (r * u)
     _qmatvec(gu, wdown, tdown, o, 0, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
 
 
@@ -102,10 +106,11 @@ def _vec(a, n: int, what: str) -> np.ndarray:
 
 def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_attn_norm, ffn_norm, gate_up, act,
                ffn_down, post_ffw_norm, n_head: int, n_head_kv: int, head_dim: int, eps: float, scale: float,
-               rope_freqs: np.ndarray, rope_neox: bool) -> tuple:
+               rope_freqs: np.ndarray, rope_neox: bool, residual_scale: float = 1.0) -> tuple:
     """A block's weights (QWeights, fused ones as tuples of runs) and norm vectors (float32;
     None = that step is absent) checked once and packed for `decode_block`. act: "silu" or
-    "gelu"; rope_freqs (n_rot/2,) float64 as ops.rope_freqs; RoPE turns q and k (all heads)."""
+    "gelu"; rope_freqs (n_rot/2,) float64, any per-pair frequencies (edgekv/rope.py); RoPE
+    turns q and k (all heads). residual_scale: both branches' outputs times this."""
     H, Hkv, hd = n_head, n_head_kv, head_dim
     d = attn_output.m
     wqkv, tqkv, mqkv = _runs(qkv)
@@ -120,7 +125,7 @@ def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_at
     N = (_vec(attn_norm, d, "attn_norm"), _vec(qkv_bias, sum(mqkv), "qkv_bias"), _vec(q_norm, hd, "q_norm"),
          _vec(k_norm, hd, "k_norm"), _vec(post_attn_norm, d, "post_attn_norm"), _vec(ffn_norm, d, "ffn_norm"),
          _vec(post_ffw_norm, d, "post_ffw_norm"))
-    return W, N, (H, Hkv, hd, PRE[act]), np.float64(eps), np.float32(scale), \
+    return W, N, (H, Hkv, hd, PRE[act]), np.float64(eps), (np.float32(scale), np.float32(residual_scale)), \
         (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv)
 
 
@@ -129,7 +134,7 @@ def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, n_
     in place through the block `pack` (block_pack) over a layer's cache (kvquant.kv_decode_layer,
     n_written tokens written; shift as kv_decode's). Unchecked: a backend's decode step. Returns x;
     the caller advances the cache's write cursor."""
-    W, N, dims, eps, scale, (freqs, neox, heads) = pack
-    _block_core(x, q_pos, W, N, dims, eps, scale, (freqs, neox, heads, shift), layer, n_written,
+    W, N, dims, eps, (scale, res_scale), (freqs, neox, heads) = pack
+    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, shift), layer, n_written,
                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()))
     return x

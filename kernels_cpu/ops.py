@@ -226,13 +226,20 @@ def rope(
     its NEOX rope (pairs x[i], x[i + n_rot/2]; gemma3). Dims from n_rot on are left as
     they are. heads: rotate only heads [0, heads) (q and k side by side in one fused QKV output,
     v after them untouched). Returns x."""
+    if n_rot % 2 or not 0 < n_rot <= x.shape[-1]:
+        raise ValueError(f"rope: n_rot={n_rot} must be even and within head_dim {x.shape[-1]}")
+    return rotate(x, pos, rope_freqs(theta_base, n_rot, freq_scale), neox, heads)
+
+
+def rotate(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool, heads: int | None = None) -> np.ndarray:
+    """rope with any per-pair frequencies: pair i turns by pos * inv_freq[i] ((n_rot/2,) float64;
+    llama3 factors and YaRN are such frequencies, edgekv/rope.py). Returns x, rotated in place."""
     if x.dtype is not _F32 or x.ndim != 3 or pos.dtype is not _I64 or pos.shape != x.shape[:1]:
         raise ValueError(
             f"rope: x {x.dtype}{x.shape} must be float32 (n, heads, hd), pos {pos.dtype}{pos.shape} int64 (n,)"
         )
-    if n_rot % 2 or not 0 < n_rot <= x.shape[2]:
-        raise ValueError(f"rope: n_rot={n_rot} must be even and within head_dim {x.shape[2]}")
-    inv_freq = rope_freqs(theta_base, n_rot, freq_scale)
+    if inv_freq.dtype != np.float64 or inv_freq.ndim != 1 or not 0 < 2 * inv_freq.shape[0] <= x.shape[2]:
+        raise ValueError(f"rope: frequencies {inv_freq.dtype}{inv_freq.shape} must be float64 (n_rot/2,) within head_dim {x.shape[2]}")
     nh = x.shape[1] if heads is None else heads
     if not 0 <= nh <= x.shape[1]:
         raise ValueError(f"rope: heads={heads} outside the {x.shape[1]} heads of x")

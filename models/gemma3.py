@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import rope as ropes
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..validate import validate_model
@@ -30,8 +31,7 @@ class Config:
     n_vocab: int
     n_ctx_train: int
     norm_eps: float
-    rope_base: float  # global layers
-    rope_scale: float  # global layers' linear position scale (1.0 = none)
+    rope: ropes.Rope  # global layers (the local ones: ROPE_BASE_LOCAL, unscaled)
     sliding_window: int  # tokens a local layer sees (0 = no local layers)
     attn_scale: float  # queries are scaled by this before attention
     final_softcap: float  # 0 = none
@@ -44,10 +44,6 @@ class Config:
         head_dim = f.get(f"{a}.attention.key_length", n_embd // max(n_head, 1), kind=int)
         if f.get(f"{a}.attention.value_length", head_dim, kind=int) != head_dim:
             raise UnsupportedModelError("gemma3 with key_length != value_length is not supported")
-        scaling = f.get(f"{a}.rope.scaling.type", "none", kind=str)
-        if scaling not in ("none", "linear"):
-            raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported (none, linear)")
-        factor = float(f.get(f"{a}.rope.scaling.factor", 1.0, kind=(int, float))) if scaling == "linear" else 1.0
         n_layer = f.require(f"{a}.block_count", int)
         cfg = cls(
             arch=a,
@@ -60,8 +56,8 @@ class Config:
             n_vocab=f.tensor("token_embd.weight").shape[0],
             n_ctx_train=f.get(f"{a}.context_length", 32768, kind=int),
             norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6, kind=(int, float))),
-            rope_base=float(f.get(f"{a}.rope.freq_base", 1e6, kind=(int, float))),
-            rope_scale=1.0 / factor,
+            rope=ropes.from_gguf(f, head_dim, head_dim, neox=True, factors=False,
+                                 base=float(f.get(f"{a}.rope.freq_base", 1e6, kind=(int, float)))),
             sliding_window=f.get(f"{a}.attention.sliding_window", 0, kind=int),
             # gemma_pytorch: query_pre_attn_scalar is n_embd/n_head for the 27B (62 layers), head_dim otherwise
             attn_scale=1.0 / np.sqrt(n_embd / max(n_head, 1) if n_layer == 62 else head_dim),
@@ -107,13 +103,14 @@ class Model:
         self.token_embd = be.prepare(f.tensor("token_embd.weight"))
         self.output = be.prepare(f.tensor("output.weight")) if "output.weight" in f.tensors else self.token_embd
         self.output_norm = norm("output_norm.weight")
+        local = ropes.plain(ROPE_BASE_LOCAL, cfg.head_dim, neox=True)
         self.layers = []
         for i, window in enumerate(cfg.windows()):
             p = f"blk.{i}."
             self.layers.append(dict(
                 window=window,
-                rope_base=ROPE_BASE_LOCAL if window else cfg.rope_base,
-                rope_scale=1.0 if window else cfg.rope_scale,
+                rope=local if window else cfg.rope,
+                attn_scale=cfg.attn_scale * (1.0 if window else cfg.rope.attn_factor**2),  # YaRN's q/k magnitude
                 attn_norm=norm(p + "attn_norm.weight"),
                 attn_qkv=be.fuse([f.tensor(p + f"attn_{x}.weight") for x in "qkv"]),
                 attn_q_norm=norm(p + "attn_q_norm.weight"),
@@ -131,7 +128,7 @@ class Model:
             k_norm=L["attn_k_norm"], attn_output=L["attn_output"], post_attn_norm=L["post_attention_norm"],
             ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"], act="gelu", ffn_down=L["ffn_down"],
             post_ffw_norm=L["post_ffw_norm"], n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
-            eps=cfg.norm_eps, scale=cfg.attn_scale, rope=(L["rope_base"], True, cfg.head_dim, L["rope_scale"]))
+            eps=cfg.norm_eps, scale=L["attn_scale"], rope=L["rope"])
             for L in self.layers]
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
@@ -146,10 +143,9 @@ class Model:
                 continue  # decode: the lines below in one call
             qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
             qkv = qkv.reshape(n, H + 2 * Hkv, hd)  # heads: q, k, v
-            rope = (L["rope_base"], True, hd, L["rope_scale"])
-            q = be.rope(be.rmsnorm(qkv[:, :H], L["attn_q_norm"], eps), pos, *rope)
-            k = be.rope(be.rmsnorm(qkv[:, H : H + Hkv], L["attn_k_norm"], eps), pos, *rope)
-            a = be.attention(q, pos, cache[i], k, qkv[:, H + Hkv :], cfg.attn_scale, rope)  # (n, H, hd)
+            q = be.rope(be.rmsnorm(qkv[:, :H], L["attn_q_norm"], eps), pos, L["rope"])
+            k = be.rope(be.rmsnorm(qkv[:, H : H + Hkv], L["attn_k_norm"], eps), pos, L["rope"])
+            a = be.attention(q, pos, cache[i], k, qkv[:, H + Hkv :], L["attn_scale"], L["rope"])  # (n, H, hd)
             x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x, post_w=L["post_attention_norm"], eps=eps)
             gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
             x = be.matmul(gu, L["ffn_down"], pre="gelu", residual=x, post_w=L["post_ffw_norm"], eps=eps)

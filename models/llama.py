@@ -1,6 +1,11 @@
-"""Llama-family decoder (llama, mistral, smollm, qwen2): RMSNorm, RoPE, GQA attention, SwiGLU.
+"""Llama-family decoder (llama, mistral, smollm, qwen2, granite): RMSNorm, RoPE, GQA attention,
+SwiGLU.
 
-Weights keep their GGUF names; qwen2 adds biases on q/k/v and rotates in NeoX order.
+Weights keep their GGUF names; qwen2 adds biases on q/k/v and rotates in NeoX order; granite
+adds four multipliers from its metadata (embeddings, each block's residual branches, the
+attention scale, logits divided by logit_scale). RoPE
+comes from edgekv/rope.py: linear, YaRN, and Llama 3.x's frequency factors (rope_freqs.weight).
+The head size is attention.key_length (Mistral-Nemo: 128 with n_embd 5120 and 32 heads).
 """
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import rope as ropes
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..validate import validate_model
@@ -28,10 +34,13 @@ class Config:
     n_vocab: int
     n_ctx_train: int  # context the model was trained for
     norm_eps: float
-    rope_base: float
     rope_dim: int  # leading dims of a head that rotate
-    rope_neox: bool  # pairs (i, i+d/2) instead of (2i, 2i+1)
-    rope_scale: float  # linear position scaling (1.0 = none)
+    rope: ropes.Rope  # per-pair frequencies (scaling, factors), NEOX or NORM pairs
+    # granite's multipliers (1.0 elsewhere; a 0 in the file means "none", as in llama.cpp)
+    embedding_scale: float = 1.0  # token embeddings times this
+    residual_scale: float = 1.0  # attention and FFN outputs times this before the residual add
+    attention_scale: float = 0.0  # q.k times this (0: 1/sqrt(head_dim))
+    logit_scale: float = 1.0  # logits divided by this
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "Config":
@@ -40,12 +49,9 @@ class Config:
         n_head = f.require(f"{a}.attention.head_count", int)
         n_head_kv = f.get(f"{a}.attention.head_count_kv", n_head, kind=int)
         head_dim = f.get(f"{a}.attention.key_length", n_embd // max(n_head, 1), kind=int)
-        scaling = f.get(f"{a}.rope.scaling.type", "none", kind=str)
-        if scaling not in ("none", "linear"):
-            raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported (none, linear)")
-        factor = float(f.get(f"{a}.rope.scaling.factor", 1.0, kind=(int, float))) if scaling == "linear" else 1.0
-        if "rope_freqs.weight" in f.tensors:
-            raise UnsupportedModelError("per-dimension RoPE frequency factors (rope_freqs.weight, llama 3.1 style) are not supported")
+        if f.get(f"{a}.attention.value_length", head_dim, kind=int) != head_dim:
+            raise UnsupportedModelError(f"{a} with attention.value_length != key_length is not supported")
+        rope_dim = f.get(f"{a}.rope.dimension_count", head_dim, kind=int)
         tok = f.tensor("token_embd.weight")
         cfg = cls(
             arch=a,
@@ -58,10 +64,9 @@ class Config:
             n_vocab=tok.shape[0],
             n_ctx_train=f.get(f"{a}.context_length", 4096, kind=int),
             norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5, kind=(int, float))),
-            rope_base=float(f.get(f"{a}.rope.freq_base", 10000.0, kind=(int, float))),
-            rope_dim=f.get(f"{a}.rope.dimension_count", head_dim, kind=int),
-            rope_neox=a in NEOX_ARCHS,
-            rope_scale=1.0 / factor,
+            rope_dim=rope_dim,
+            rope=ropes.from_gguf(f, rope_dim, head_dim, neox=a in NEOX_ARCHS),
+            **(granite_scales(f) if a == "granite" else {}),
         )
         cfg.validate(f)
         validate_model(f, cfg)
@@ -96,6 +101,19 @@ class Config:
         return [0] * self.n_layer
 
 
+def granite_scales(f: GGUFFile) -> dict:
+    """Granite's multipliers, read as llama.cpp's granite loader does (logit_scale required)."""
+    a = f.arch
+    num = lambda key, default: float(f.get(f"{a}.{key}", default, kind=(int, float)) or default)  # noqa: E731
+    if not f.get(f"{a}.rope.scaling.finetuned", True, kind=(bool, int)):
+        raise UnsupportedModelError("granite without RoPE (rope.scaling.finetuned = false) is not supported")
+    logit = float(f.require(f"{a}.logit_scale", (int, float)))
+    if not logit > 0:
+        raise ModelFileError(f"metadata key {a}.logit_scale is {logit}, expected a positive number")
+    return dict(embedding_scale=num("embedding_scale", 1.0), residual_scale=num("residual_scale", 1.0),
+                attention_scale=num("attention.scale", 0.0), logit_scale=logit)
+
+
 def check_shapes(f: GGUFFile, expect: dict) -> None:
     for name, shape in expect.items():
         t = f.tensor(name)
@@ -115,6 +133,8 @@ class Model:
         self.token_embd = be.prepare(f.tensor("token_embd.weight"))
         self.output = be.prepare(f.tensor("output.weight")) if "output.weight" in f.tensors else self.token_embd
         self.output_norm = norm("output_norm.weight")
+        # YaRN's magnitude on q and k enters as its square
+        self.attn_scale = cfg.rope.attn_factor**2 * (cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim))
         self.layers = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
@@ -129,34 +149,43 @@ class Model:
                 ffn_down=be.prepare(f.tensor(p + "ffn_down.weight")),
             ))
         # the same block as one fused call for decode, where the backend has one (see forward)
-        rope = (cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
         self.blocks = [be.decoder_block(
             attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=L["qkv_bias"], q_norm=None, k_norm=None,
             attn_output=L["attn_output"], post_attn_norm=None, ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"],
             act="silu", ffn_down=L["ffn_down"], post_ffw_norm=None, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
-            head_dim=cfg.head_dim, eps=cfg.norm_eps, scale=1.0 / math.sqrt(cfg.head_dim), rope=rope)
-            for L in self.layers]
+            head_dim=cfg.head_dim, eps=cfg.norm_eps, scale=self.attn_scale, rope=cfg.rope,
+            residual_scale=cfg.residual_scale) for L in self.layers]
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
         """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
         cfg, be = self.cfg, self.be
         n, hd, qd = len(ids), cfg.head_dim, cfg.n_head * cfg.head_dim
-        H, Hkv, eps = cfg.n_head, cfg.n_head_kv, cfg.norm_eps
-        rope = (cfg.rope_base, cfg.rope_neox, cfg.rope_dim, cfg.rope_scale)
-        scale = 1.0 / math.sqrt(hd)
+        H, Hkv, eps, rope, rs = cfg.n_head, cfg.n_head_kv, cfg.norm_eps, cfg.rope, cfg.residual_scale
         x = be.embed(self.token_embd, ids)  # (n, n_embd), the residual stream
+        if cfg.embedding_scale != 1.0:
+            x *= np.float32(cfg.embedding_scale)
         for i, L in enumerate(self.layers):
             if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
                 continue  # decode: the lines below in one call
             qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
             if L["qkv_bias"] is not None:
                 qkv += L["qkv_bias"]
-            qkv = be.rope(qkv.reshape(n, H + 2 * Hkv, hd), pos, *rope, heads=H + Hkv)  # heads: q, k, v
+            qkv = be.rope(qkv.reshape(n, H + 2 * Hkv, hd), pos, rope, heads=H + Hkv)  # heads: q, k, v
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
-            a = be.attention(q, pos, cache[i], k, v, scale, rope)  # (n, H, hd)
+            a = be.attention(q, pos, cache[i], k, v, self.attn_scale, rope)  # (n, H, hd)
+            if rs != 1.0:  # rs * (a @ Wo.T) as (rs * a) @ Wo.T
+                a *= np.float32(rs)
             x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x)
             gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
-            x = be.matmul(gu, L["ffn_down"], pre="silu", residual=x)
+            if rs != 1.0:  # rs * down(silu(g) * u) as down(silu(g) * u * rs)
+                h = be.silu_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :])  # (n, n_ff)
+                h *= np.float32(rs)
+                x = be.matmul(h, L["ffn_down"], residual=x)
+            else:
+                x = be.matmul(gu, L["ffn_down"], pre="silu", residual=x)
         if last_only:
             x = x[-1:]
-        return be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)
+        logits = be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)
+        if cfg.logit_scale != 1.0:
+            logits /= np.float32(cfg.logit_scale)
+        return logits

@@ -149,6 +149,7 @@ def _attention_steps(device, kind, steps, offset=0.0, seed=0, cap=40, n_sink=4):
     """Attention outputs of one layer through a sequence of batches (sizes; 0 = trim back 5
     positions) on a backend, from random q/k/v whose keys carry a fixed channel offset."""
     from edgekv.backends import get_backend
+    from edgekv.rope import plain
 
     be = get_backend(device)
     H, hkv, hd = 4, 2, 64
@@ -156,7 +157,7 @@ def _attention_steps(device, kind, steps, offset=0.0, seed=0, cap=40, n_sink=4):
     rng = np.random.default_rng(seed)
     mu = np.zeros(hd, np.float32)
     mu[::7] = offset
-    rope = (10000.0, False, hd, 1.0)
+    rope = plain(10000.0, hd)
     outs, p = [], 0
     for n in steps:
         if n == 0:
@@ -167,7 +168,7 @@ def _attention_steps(device, kind, steps, offset=0.0, seed=0, cap=40, n_sink=4):
         q = rng.standard_normal((n, H, hd)).astype(np.float32)
         k = rng.standard_normal((n, hkv, hd)).astype(np.float32)
         v = rng.standard_normal((n, hkv, hd)).astype(np.float32)
-        q, k = be.rope(q, pos, *rope), be.rope(k, pos, *rope) + mu  # an offset that RoPE keeps (slow channels)
+        q, k = be.rope(q, pos, rope), be.rope(k, pos, rope) + mu  # an offset that RoPE keeps (slow channels)
         outs.append(be.attention(q, pos, lk, k, v, 1.0 / np.sqrt(hd), rope))
         p += n
     return np.concatenate(outs)

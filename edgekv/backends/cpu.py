@@ -13,6 +13,7 @@ import numpy as np
 
 from ..gguf_file import Tensor
 from ..kvcache import LayerKV
+from ..rope import Rope
 from .threads import RUNNING, ThreadTuner
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
@@ -123,10 +124,9 @@ class CPUBackend:
         runs = tuple(self.qm.QWeight(tuple(t.raw for t in g), g[0].qtype) for g in parts)
         return runs[0] if len(runs) == 1 else runs
 
-    def decoder_block(self, *, rope: tuple, **parts):
+    def decoder_block(self, *, rope: Rope, **parts):
         """A whole block packed for run_block (kernels_cpu.block: one call per decode token)."""
-        base, neox, n_rot, rscale = rope
-        return self.blk.block_pack(rope_freqs=self.ops.rope_freqs(base, n_rot, rscale), rope_neox=neox, **parts)
+        return self.blk.block_pack(rope_freqs=rope.freqs, rope_neox=rope.neox, **parts)
 
     def run_block(self, pack, x: np.ndarray, pos: np.ndarray, kv: LayerKV) -> bool:
         """One token through a block in place of the model's op-by-op code; False (nothing done)
@@ -178,9 +178,8 @@ class CPUBackend:
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         return self.ops.rmsnorm(np.ascontiguousarray(x), w, eps)
 
-    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0,
-             heads: int | None = None) -> np.ndarray:
-        return self.ops.rope(np.ascontiguousarray(x), pos, base, neox, n_rot, scale, heads)
+    def rope(self, x: np.ndarray, pos: np.ndarray, rope: Rope, heads: int | None = None) -> np.ndarray:
+        return self.ops.rotate(np.ascontiguousarray(x), pos, rope.freqs, rope.neox, heads)
 
     def silu_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         return self.ops.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u))
@@ -191,7 +190,7 @@ class CPUBackend:
     def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.ops.add_(a, np.ascontiguousarray(b))
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple) -> np.ndarray:
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope) -> np.ndarray:
         # The kernels run unchecked (check=False): the cache made every ring array, the model
         # every activation; at one token the checks and numpy glue used to cost more than the
         # attention itself, so the decode path here is a few jitted calls and no fancy indexing.
@@ -199,18 +198,16 @@ class CPUBackend:
         n = q_pos.shape[0]
         q = np.ascontiguousarray(q)
         if n == 1 and kv.n_written:  # decode: one call (an empty int ring calibrates first, below)
-            base, neox, n_rot, rscale = rope
             state, n_written, shift = self._decode_state(kv, q_pos)
             out = kq.kv_decode(state, q, np.ascontiguousarray(k, dtype=np.float32),
                                np.ascontiguousarray(v, dtype=np.float32), q_pos, n_written,
-                               (self.ops.rope_freqs(base, n_rot, rscale), neox, shift), scale, np.empty_like(q))
+                               (rope.freqs, rope.neox, shift), scale, np.empty_like(q))
             kv.n_written += 1
             return out
         q_sink, sink_bias = q, kq.NO_SINK_BIAS
         shift = max(int(q_pos[-1]) - kv.capacity + 1, 0) if kv.n_sink else 0  # the batch's largest
         if shift:  # sinks seen from just before the window (StreamingLLM)
-            base, neox, n_rot, rscale = rope
-            q_sink = self.ops.rope(q.copy(), -kv.sink_shift(q_pos), base, neox, n_rot, rscale)
+            q_sink = self.ops.rotate(q.copy(), -kv.sink_shift(q_pos), rope.freqs, rope.neox)
             if kv.rotated:
                 sink_bias = kv.sink_bias(q, q_sink)
         k = np.ascontiguousarray(k, dtype=np.float32)

@@ -31,6 +31,7 @@ import numpy as np
 from ..errors import DeviceError
 from ..gguf_file import Tensor
 from ..kvcache import LayerKV
+from ..rope import Rope
 
 _VOCAB_OUT = ("output.weight", "token_embd.weight")  # matmuls whose result goes back as host logits
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -331,21 +332,19 @@ class CUDABackend:
             return self.cpu.rmsnorm(x, w, eps)
         return DeviceArray(self.ops.rmsnorm(x.contiguous(), _as_device(w), eps))
 
-    def rope(self, x, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0,
-             heads: int | None = None):
+    def rope(self, x, pos: np.ndarray, rope: Rope, heads: int | None = None):
         if not isinstance(x, DeviceArray):
-            return self.cpu.rope(x, pos, base, neox, n_rot, scale, heads)
+            return self.cpu.rope(x, pos, rope, heads)
         xd = x.contiguous()
         part = xd if heads is None else xd[:, :heads]  # q and k of a fused QKV: rotated in place, v untouched
-        self.ops.rope(part, self._ints(pos), self._freqs(base, n_rot, scale), neox)
+        self.ops.rope(part, self._ints(pos), self._freqs(rope), rope.neox)
         return DeviceArray(xd)
 
-    def _freqs(self, base: float, n_rot: int, scale: float):
-        key = (base, n_rot, scale)
-        if key not in self._inv_freq:  # as kernels_cpu.ops._inv_freq
-            f = scale * np.power(np.float64(base), -np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-            self._inv_freq[key] = self.cuda.to_device(f)
-        return self._inv_freq[key]
+    def _freqs(self, rope: Rope):
+        """rope.freqs on the device, uploaded once per Rope (a model makes one per layer kind)."""
+        if id(rope) not in self._inv_freq:  # the Rope is kept with its copy, so its id is never reused
+            self._inv_freq[id(rope)] = (rope, self.cuda.to_device(rope.freqs))
+        return self._inv_freq[id(rope)][1]
 
     def silu_mul(self, g, u):
         if not isinstance(g, DeviceArray):
@@ -366,7 +365,7 @@ class CUDABackend:
         self.ops.add_(ad, b.contiguous())
         return DeviceArray(ad)
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple):
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope):
         """The CPU backend's attention step (edgekv/backends/cpu.py) on the device: keys moved
         into the ring's key space (int kinds), the batch stored before or after it attends, its
         last tokens kept exact."""
@@ -380,8 +379,7 @@ class CUDABackend:
         shift = kv.sink_shift(q_pos)
         q_sink = sb = None
         if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
-            base, neox, n_rot, rscale = rope
-            q_sink = ops.rope(_dcopy(qd), self._ints(-shift), self._freqs(base, n_rot, rscale), neox)
+            q_sink = ops.rope(_dcopy(qd), self._ints(-shift), self._freqs(rope), rope.neox)
             if kv.rotated:
                 sb = kq.sink_bias(qd, q_sink, r.mu)
         if kv.rotated:  # new arrays: the caller's q stays as it was

@@ -11,6 +11,7 @@ from gguf.quants import dequantize
 
 from ..gguf_file import Tensor
 from ..kvcache import LayerKV
+from ..rope import Rope
 
 
 def dequantize_tensor(t: Tensor) -> np.ndarray:
@@ -65,17 +66,16 @@ class ReferenceBackend:
         ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
         return (x / np.sqrt(ms + eps) * w).astype(np.float32)
 
-    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, neox: bool, n_rot: int, scale: float = 1.0,
-             heads: int | None = None) -> np.ndarray:
+    def rope(self, x: np.ndarray, pos: np.ndarray, rope: Rope, heads: int | None = None) -> np.ndarray:
         if heads is not None:  # rotate the first heads, keep the rest
-            return np.concatenate([self.rope(x[:, :heads], pos, base, neox, n_rot, scale), x[:, heads:]], axis=1)
-        # theta_i = pos * scale * base^(-2i/n_rot); angles in float64 so huge positions stay exact.
-        inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # (n_rot/2,)
-        ang = (pos.astype(np.float64) * scale)[:, None] * inv[None, :]  # (n, n_rot/2)
+            return np.concatenate([self.rope(x[:, :heads], pos, rope), x[:, heads:]], axis=1)
+        # pair i turns by pos * freqs[i]; angles in float64 so huge positions stay exact.
+        n_rot = rope.n_rot
+        ang = pos.astype(np.float64)[:, None] * rope.freqs[None, :]  # (n, n_rot/2)
         cos = np.cos(ang).astype(np.float32)[:, None, :]
         sin = np.sin(ang).astype(np.float32)[:, None, :]
         out = x.copy()
-        if neox:  # pairs (i, i + n_rot/2)
+        if rope.neox:  # pairs (i, i + n_rot/2)
             a, b = x[..., : n_rot // 2], x[..., n_rot // 2 : n_rot]
             out[..., : n_rot // 2] = a * cos - b * sin
             out[..., n_rot // 2 : n_rot] = a * sin + b * cos
@@ -93,7 +93,7 @@ class ReferenceBackend:
         c = np.float32(np.sqrt(2.0 / np.pi))
         return (0.5 * g * (1.0 + np.tanh(c * (g + 0.044715 * g**3))) * u).astype(np.float32)
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: tuple) -> np.ndarray:
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope) -> np.ndarray:
         n, H, hd = q.shape
         kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
         k_stored = kv.key_space(k)  # (n, Hkv, hd) as the ring stores keys
@@ -114,8 +114,7 @@ class ReferenceBackend:
         sink = np.zeros(len(k_pos), bool)
         sink[: live.sum()] = (np.arange(kv.capacity) < kv.n_sink)[live]
         sink[live.sum():] = k_pos[live.sum():] < kv.n_sink
-        base, neox, n_rot, rscale = rope
-        q_sink = self.rope(q, -kv.sink_shift(q_pos), base, neox, n_rot, rscale)  # sinks just before the window
+        q_sink = self.rope(q, -kv.sink_shift(q_pos), rope)  # sinks just before the window
         sink_bias = kv.sink_bias(q, q_sink).T[:, :, None]  # (H, n, 1)
         q, q_sink = kv.query_space(q), kv.query_space(q_sink)
         group = H // keys.shape[1]  # query head h reads kv head h // group

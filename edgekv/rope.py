@@ -1,0 +1,120 @@
+"""Rotary position embeddings, every variant in one place: what each pair of a head's dims turns
+by per position. The backends' rope ops take only that (`Rope.freqs`), so none, linear, llama3
+frequency factors and YaRN all run on every backend, fused decode block and op-by-op alike.
+
+As llama.cpp computes them (ggml's rope with freq_factors, ext_factor and attn_factor; see
+`from_gguf`), pair i of n_rot rotated dims turns by pos * freqs[i] with
+
+    theta_i = base ** (-2i / n_rot) / ff_i               ff: rope_freqs.weight (llama3), else 1
+    none / linear:  freqs_i = s * theta_i               s = 1 / rope.scaling.factor (1 for none)
+    yarn:           freqs_i = theta_i * (s * (1 - r_i) + r_i)
+                    r_i = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1), lo/hi the pairs whose
+                    wavelength is n_ctx_orig / beta_fast and n_ctx_orig / beta_slow
+
+and the rotated dims of q and k multiplied by attn_factor (YaRN: 1 + 0.1 ln(1/s)), which the
+models fold into the attention scale as attn_factor**2 (q.k is all that sees them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ModelFileError, UnsupportedModelError
+
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults (only grok/mistral3 read their own)
+SCALING_TYPES = ("none", "linear", "yarn")
+
+
+@dataclass(frozen=True, eq=False)
+class Rope:
+    freqs: np.ndarray  # (n_rot/2,) float64: pair i turns by pos * freqs[i] radians
+    neox: bool  # pairs (i, i + n_rot/2) (llama.cpp's NEOX) instead of (2i, 2i+1) (NORM)
+    attn_factor: float = 1.0  # magnitude of rotated q and k (YaRN); models scale attention by its square
+
+    @property
+    def n_rot(self) -> int:
+        return 2 * self.freqs.shape[0]
+
+
+def plain(base: float, n_rot: int, neox: bool = False, scale: float = 1.0) -> Rope:
+    """Rope without factors: pair i turns by scale * base**(-2i/n_rot) per position."""
+    return Rope(rope_freqs(base, n_rot, scale), neox)
+
+
+def rope_freqs(base: float, n_rot: int, scale: float = 1.0, factors: np.ndarray | None = None,
+               yarn: tuple[int, float, float] | None = None) -> np.ndarray:
+    """(n_rot/2,) float64 angle per position of each pair (module docstring). scale: linear
+    position scale s; factors (n_rot/2,): llama3's per-pair divisors; yarn: (n_ctx_orig,
+    beta_fast, beta_slow), mixing s and 1 per pair instead of applying s to all."""
+    theta = np.power(np.float64(base), -np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    if factors is not None:
+        theta = theta / np.asarray(factors, dtype=np.float64)
+    if yarn is None:
+        return scale * theta
+    lo, hi = yarn_corr_dims(n_rot, base, *yarn)
+    ramp = 1.0 - np.clip((np.arange(n_rot // 2) - lo) / max(0.001, hi - lo), 0.0, 1.0)  # 1: keep, 0: interpolate
+    return theta * (scale * (1.0 - ramp) + ramp)
+
+
+def yarn_corr_dims(n_rot: int, base: float, n_ctx_orig: int, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    """The first and last pair YaRN ramps between (ggml_rope_yarn_corr_dims): pairs turning
+    beta_fast times over n_ctx_orig keep their frequency, beta_slow times and slower are
+    interpolated."""
+    def pair(beta: float) -> float:  # the pair that turns `beta` full circles over n_ctx_orig positions
+        return n_rot * math.log(n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(0.0, math.floor(pair(beta_fast))), min(n_rot - 1.0, math.ceil(pair(beta_slow)))
+
+
+def llama3_factors(base: float, n_rot: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                   n_ctx_orig: int) -> np.ndarray:
+    """(n_rot/2,) float32: the rope_freqs.weight that convert_hf_to_gguf writes for llama3 rope
+    scaling (wavelengths under n_ctx_orig/high_freq_factor kept, over n_ctx_orig/low_freq_factor
+    divided by factor, smooth between). edgekv reads the tensor; this is for synthetic files."""
+    out = []
+    for f in rope_freqs(base, n_rot):
+        wavelen = 2 * math.pi / f
+        if wavelen < n_ctx_orig / high_freq_factor:
+            out.append(1.0)
+        elif wavelen > n_ctx_orig / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = (n_ctx_orig / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def from_gguf(f, n_rot: int, head_dim: int, neox: bool, base: float | None = None, factors: bool = True) -> Rope:
+    """The Rope of a GGUF's `<arch>.rope.*` keys and rope_freqs.weight, as llama.cpp reads them
+    (llama_model::load_hparams, llama_context's yarn_attn_factor). base overrides freq_base
+    (gemma3's local layers); factors=False ignores rope_freqs.weight (layers that do not use it)."""
+    a = f.arch
+    base = float(f.get(f"{a}.rope.freq_base", 10000.0, kind=(int, float))) if base is None else base
+    scaling = f.get(f"{a}.rope.scaling.type", "linear", kind=str)  # llama.cpp's default when absent
+    if scaling not in SCALING_TYPES:
+        raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported ({', '.join(SCALING_TYPES)})")
+    factor = float(f.get(f"{a}.rope.scaling.factor", 0.0, kind=(int, float)))
+    s = 1.0 if scaling == "none" or factor == 0.0 else 1.0 / factor
+    attn_factor = float(f.get(f"{a}.rope.scaling.attn_factor", 1.0, kind=(int, float)))
+    ff = None
+    if factors and "rope_freqs.weight" in f.tensors:
+        t = f.tensors["rope_freqs.weight"]
+        if t.shape != (n_rot // 2,) or t.qtype not in (0, 1):
+            raise ModelFileError(f"tensor rope_freqs.weight is {t.type_name} {t.shape}, expected F32 or F16 ({n_rot // 2},)")
+        ff = t.as_float().astype(np.float64)
+        if not (np.isfinite(ff).all() and (ff > 0).all()):
+            raise ModelFileError("tensor rope_freqs.weight must hold finite positive factors")
+    yarn = None
+    if scaling == "yarn":
+        if base <= 1.0:
+            raise ModelFileError(f"metadata key {a}.rope.freq_base is {base:g}; YaRN needs a base above 1")
+        n_ctx_orig = f.get(f"{a}.rope.scaling.original_context_length", 0, kind=int) or \
+            f.get(f"{a}.context_length", 4096, kind=int)
+        yarn = (n_ctx_orig, YARN_BETA_FAST, YARN_BETA_SLOW)
+        if s < 1.0:  # ggml's magnitude correction (llama.cpp cancels its own get_mscale against it)
+            attn_factor *= 1.0 + 0.1 * math.log(1.0 / s)
+    if attn_factor != 1.0 and n_rot != head_dim:
+        raise UnsupportedModelError(f"rope attention factor {attn_factor:g} with partial rotation ({n_rot} of {head_dim} dims)")
+    return Rope(rope_freqs(base, n_rot, s, ff, yarn), neox, attn_factor)
