@@ -10,6 +10,7 @@ ARCHITECTURES = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "llama",  # llama graph + QKV bias + NeoX RoPE
+    "qwen3": "qwen3",
     "granite": "llama",  # llama graph + embedding, residual, attention and logit multipliers
     "gemma3": "gemma3",
 }
