@@ -39,6 +39,22 @@ SIZES: dict[str, dict[str, dict]] = {
         # Llama-2-7B / 13B
         "7b":   dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=32, n_ff=11008, n_vocab=32000, n_ctx=4096),
         "13b":  dict(n_layer=40, n_embd=5120, n_head=40, n_head_kv=40, n_ff=13824, n_vocab=32000, n_ctx=4096),
+        # Llama-3.1-8B: GQA 32/8, llama3 RoPE frequency factors (rope_freqs.weight)
+        "8b":   dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_vocab=128256, n_ctx=131072,
+                     rope_base=500000.0, rope_llama3=(8.0, 1.0, 4.0, 8192)),
+    },
+    "qwen3": {
+        # head size 128 with n_embd/n_head = 64: the key_length path
+        "tiny": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=128, n_ff=512, n_vocab=320, n_ctx=512),
+        # Qwen3-8B
+        "8b":   dict(n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=12288, n_vocab=151936,
+                     n_ctx=40960),
+    },
+    "granite": {
+        "tiny": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320, n_ctx=512),
+        # Granite-3.x-8B (its four multipliers as in the released config)
+        "8b":   dict(n_layer=40, n_embd=4096, n_head=32, n_head_kv=8, n_ff=12800, n_vocab=49155, n_ctx=131072,
+                     rope_base=10000000.0),
     },
     "gemma3": {
         # 7 layers so that layer 5 is global and the others slide over 8 tokens
@@ -51,9 +67,14 @@ SIZES: dict[str, dict[str, dict]] = {
     },
 }
 # Hyperparameters every size of an architecture shares (overridable like the sizes).
+# rope_llama3: (factor, low_freq_factor, high_freq_factor, original context) -> rope_freqs.weight;
+# rope_yarn: (factor, original context) -> rope.scaling.* keys; None = plain RoPE.
 DEFAULTS = {
-    "llama": dict(rope_base=10000.0, norm_eps=1e-5),
+    "llama": dict(rope_base=10000.0, norm_eps=1e-5, rope_llama3=None, rope_yarn=None),
     "gemma3": dict(rope_base=1e6, norm_eps=1e-6),
+    "qwen3": dict(rope_base=1e6, norm_eps=1e-6, rope_yarn=None),
+    "granite": dict(rope_base=10000.0, norm_eps=1e-5, rope_yarn=None, embedding_scale=12.0, residual_scale=0.22,
+                    attention_scale=0.0078125, logit_scale=16.0),
 }
 # fmt: on
 
@@ -74,10 +95,14 @@ CHUNK_BYTES = 16 << 20  # bytes generated and written at a time
 # Special tokens (all CONTROL) in the id order of each family's real tokenizer.
 SPECIALS = {
     "llama": ["<unk>", "<s>", "</s>"],
+    "qwen3": ["<unk>", "<s>", "</s>"],  # a SentencePiece vocabulary stands in for their BPE ones
+    "granite": ["<unk>", "<s>", "</s>"],
     "gemma3": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
 }
 SPECIAL_IDS = {  # unk, bos, eos, pad (None = no key)
     "llama": dict(unk=0, bos=1, eos=2, pad=None),
+    "qwen3": dict(unk=0, bos=1, eos=2, pad=None),
+    "granite": dict(unk=0, bos=1, eos=2, pad=None),
     "gemma3": dict(unk=3, bos=2, eos=1, pad=0),
 }
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_BYTE = 1, 3, 6  # llama.cpp's token types
@@ -92,13 +117,16 @@ WORDS = (
 
 
 def write_synthetic(path: str | os.PathLike, arch: str = "llama", size: str = "7b", qtype: str = "q4_0",
-                    seed: int = 0, progress: bool = True, weight_std: float = 0.02, **overrides) -> Path:
+                    seed: int = 0, progress: bool = True, weight_std: float = 0.02, peaked: bool = False,
+                    **overrides) -> Path:
     """Write a synthetic GGUF (v3) model to `path` and return the path.
 
     arch/size pick a row of SIZES; `overrides` replace any of its fields (n_layer, n_embd,
-    n_head, n_head_kv, n_ff, n_vocab, n_ctx, head_dim, sliding_window, rope_base, norm_eps).
-    qtype is one of QTYPES. Same arguments, same bytes. The file appears under its name only
-    once complete (written to `<path>.part`, then renamed).
+    n_head, n_head_kv, n_ff, n_vocab, n_ctx, head_dim, sliding_window, rope_base, norm_eps,
+    rope_llama3, rope_yarn, granite's multipliers). qtype is one of QTYPES. peaked: structured
+    weights whose next-token distributions are peaked (`_peaked_weights`; f32, f16 or q8_0, small
+    models: they are made in memory) instead of random blocks. Same arguments, same bytes. The
+    file appears under its name only once complete (written to `<path>.part`, then renamed).
     """
     import gguf
     from tqdm import tqdm
@@ -108,7 +136,10 @@ def write_synthetic(path: str | os.PathLike, arch: str = "llama", size: str = "7
     if qtype not in QTYPES:
         raise UnsupportedModelError(f"synthetic qtype {qtype!r} is not supported (choose {', '.join(QTYPES)})")
     bulk, ftype = QTYPES[qtype]
+    if peaked and (bulk not in PEAKED_TYPES or arch == "gemma3"):
+        raise UnsupportedModelError(f"peaked synthetic weights: untied architectures, as {', '.join(PEAKED_TYPES)}")
     plan = _tensor_plan(arch, hp, bulk)
+    dense = _peaked_weights(arch, hp, seed) if peaked else None
     tokens, scores, types = _vocab(arch, hp["n_vocab"])
 
     path = Path(path).expanduser()
@@ -131,7 +162,13 @@ def write_synthetic(path: str | os.PathLike, arch: str = "llama", size: str = "7
             for i, (name, shape, tname) in enumerate(plan):
                 rng = np.random.default_rng([seed, i])  # per tensor, so one tensor's bytes never depend on another's
                 nbytes = 0
-                for chunk in _tensor_chunks(rng, arch, name, shape, BY_NAME[tname], weight_std):
+                if dense is not None:
+                    chunks = [_encode(dense[name], tname)]
+                elif name == "rope_freqs.weight":
+                    chunks = [_llama3_factors(hp).view(np.uint8)]
+                else:
+                    chunks = _tensor_chunks(rng, arch, name, shape, BY_NAME[tname], weight_std)
+                for chunk in chunks:
                     fout.write(chunk.data)
                     nbytes += chunk.nbytes
                     bar.update(chunk.nbytes)
@@ -158,8 +195,8 @@ def _hparams(arch: str, size: str, overrides: dict) -> dict:
     hp.setdefault("head_dim", hp["n_embd"] // hp["n_head"])
     if hp["n_head"] % hp["n_head_kv"] or hp["head_dim"] % 2:
         raise ValueError(f"n_head {hp['n_head']} must be a multiple of n_head_kv {hp['n_head_kv']} and head_dim even")
-    if arch == "llama" and hp["head_dim"] * hp["n_head"] != hp["n_embd"]:
-        raise ValueError("llama needs n_embd == n_head * head_dim")
+    if arch in ("llama", "granite") and hp["head_dim"] * hp["n_head"] != hp["n_embd"]:
+        raise ValueError(f"{arch} needs n_embd == n_head * head_dim")
     n_min = len(SPECIALS[arch]) + 256
     if hp["n_vocab"] < n_min:
         raise ValueError(f"n_vocab must be at least {n_min} ({arch} specials + 256 byte tokens)")
@@ -179,13 +216,15 @@ def _tensor_plan(arch: str, hp: dict, bulk: str) -> list[tuple[str, tuple[int, .
 
     tied = arch == "gemma3"  # Gemma 3 reuses token_embd as the output projection
     plan = [weight("token_embd.weight", (V, e), out_type if tied else bulk)]
+    if hp.get("rope_llama3"):
+        plan.append(("rope_freqs.weight", (hp["head_dim"] // 2,), "F32"))
     norms = ["attn_norm", "ffn_norm"]
     if arch == "gemma3":
         norms += ["post_attention_norm", "post_ffw_norm"]
     for i in range(hp["n_layer"]):
         p = f"blk.{i}."
         plan += [(p + n + ".weight", (e,), "F32") for n in norms]
-        if arch == "gemma3":
+        if arch in ("gemma3", "qwen3"):
             plan += [(p + f"attn_{x}_norm.weight", (hp["head_dim"],), "F32") for x in "qk"]
         plan += [
             weight(p + "attn_q.weight", (qd, e)), weight(p + "attn_k.weight", (kvd, e)),
@@ -219,13 +258,23 @@ def _add_metadata(w, arch, size, qtype, ftype, hp, seed, tokens, scores, types) 
     w.add_uint32(f"{a}.attention.head_count_kv", hp["n_head_kv"])
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", hp["norm_eps"])
     w.add_float32(f"{a}.rope.freq_base", hp["rope_base"])
-    if arch == "llama":
+    if arch in ("llama", "granite"):
         w.add_uint32(f"{a}.rope.dimension_count", hp["head_dim"])
         w.add_uint32(f"{a}.vocab_size", hp["n_vocab"])
     else:
         w.add_uint32(f"{a}.attention.key_length", hp["head_dim"])
         w.add_uint32(f"{a}.attention.value_length", hp["head_dim"])
+    if arch == "gemma3":
         w.add_uint32(f"{a}.attention.sliding_window", hp["sliding_window"])
+    if hp.get("rope_yarn"):
+        factor, n_orig = hp["rope_yarn"]
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", factor)
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", n_orig)
+    if arch == "granite":
+        for key in ("embedding_scale", "residual_scale", "logit_scale"):
+            w.add_float32(f"{a}.{key}", hp[key])
+        w.add_float32(f"{a}.attention.scale", hp["attention_scale"])
     w.add_uint32("general.file_type", ftype)
     w.add_uint32("general.quantization_version", 2)
 
@@ -386,3 +435,78 @@ def _q6_k(rng, n, std):
 
 
 BLOCK_MAKERS = {"Q4_0": _q4_0, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+def _llama3_factors(hp: dict) -> np.ndarray:
+    from .rope import llama3_factors
+
+    factor, low, high, n_orig = hp["rope_llama3"]
+    return llama3_factors(hp["rope_base"], hp["head_dim"], factor, low, high, n_orig)
+
+
+# -- peaked weights ------------------------------------------------------------------
+# Random weights give flat next-token distributions whose top two logits are closer than the
+# rounding of an 8-bit activation, so no two implementations agree on them. These are built so
+# that each token has a likely successor and the context moves the rest of the distribution:
+#   token_embd E ~ N(0, 1); the output row of token u is P * E[pred(u)] (its predecessor under a
+#   random permutation) plus noise, so the successor of the current token leads by ~PEAK nats;
+#   the noise part reads the whole residual, so what attention added moves every other logit;
+#   each layer adds a fraction of the residual (ATTN_OUT, FFN_OUT rms against E's 1);
+#   q and k give attention scores of std ~SCORE_STD, sharp enough that where a query looks
+#   (its RoPE angles, its scale, its norms) matters.
+PEAKED_TYPES = ("F32", "F16", "Q8_0")
+PEAK, SPREAD = 8.0, 2.0  # successor's logit; std of the other logits (nats)
+SCORE_STD, ATTN_OUT, FFN_OUT = 3.0, 1.0, 0.3
+QK_NORM_GAIN = 1.7  # qwen3's q/k norm weights: scores come from these, not from the raw q/k size
+
+
+def _peaked_weights(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
+    """float32 arrays by tensor name (numpy shapes), deterministic in (arch, hp, seed)."""
+    e, ff, V, hd = hp["n_embd"], hp["n_ff"], hp["n_vocab"], hp["head_dim"]
+    H, Hkv, L = hp["n_head"], hp["n_head_kv"], hp["n_layer"]
+    rng = np.random.default_rng([seed, 0x9EA4ED])
+    gauss = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    g = {k: hp.get(k, 1.0) for k in ("embedding_scale", "residual_scale", "logit_scale")}
+    # granite: attention.scale replaces 1/sqrt(head_dim); q and k make up the difference
+    qk_mul = np.sqrt((1.0 / np.sqrt(hd)) / hp["attention_scale"]) if "attention_scale" in hp else 1.0
+    E = gauss(V, e)
+    out: dict[str, np.ndarray] = {"token_embd.weight": E / g["embedding_scale"]}
+    if hp.get("rope_llama3"):
+        out["rope_freqs.weight"] = _llama3_factors(hp)
+    qk_std = np.sqrt(SCORE_STD / e)  # q_i, k_i of std sqrt(SCORE_STD): scores q.k/sqrt(hd) of std SCORE_STD
+    if arch == "qwen3":
+        qk_std = 0.3 / np.sqrt(e)  # raw q, k small: the norms set the scale
+    for i in range(L):
+        p = f"blk.{i}."
+        out[p + "attn_norm.weight"] = np.ones(e, np.float32)
+        out[p + "ffn_norm.weight"] = np.ones(e, np.float32)
+        if arch == "qwen3":
+            for x in "qk":
+                out[p + f"attn_{x}_norm.weight"] = np.float32(QK_NORM_GAIN) * (1 + 0.2 * gauss(hd))
+        out[p + "attn_q.weight"] = gauss(H * hd, e) * np.float32(qk_std * qk_mul)
+        out[p + "attn_k.weight"] = gauss(Hkv * hd, e) * np.float32(qk_std * qk_mul)
+        out[p + "attn_v.weight"] = gauss(Hkv * hd, e) / np.float32(np.sqrt(e))
+        out[p + "attn_output.weight"] = gauss(e, H * hd) * np.float32(ATTN_OUT / np.sqrt(H * hd) / g["residual_scale"])
+        out[p + "ffn_gate.weight"] = gauss(ff, e) / np.float32(np.sqrt(e))
+        out[p + "ffn_up.weight"] = gauss(ff, e) / np.float32(np.sqrt(e))
+        out[p + "ffn_down.weight"] = gauss(e, ff) * np.float32(FFN_OUT / (0.5 * np.sqrt(ff)) / g["residual_scale"])
+    out["output_norm.weight"] = np.ones(e, np.float32)
+    pred = np.argsort(rng.permutation(V))  # pred[u]: the token whose successor is u
+    share = 1.0 / np.sqrt(1.0 + L * (ATTN_OUT**2 + FFN_OUT**2))  # E[t]'s part of the normed residual
+    out["output.weight"] = (E[pred] * np.float32(PEAK / (share * e)) + gauss(V, e) * np.float32(SPREAD / np.sqrt(e))) \
+        * np.float32(g["logit_scale"])
+    return out
+
+
+def _encode(w: np.ndarray, tname: str) -> np.ndarray:
+    """uint8 bytes of a float32 array as F32, F16, or Q8_0 quantized from its F16 rounding (what
+    llama.cpp's quantizer makes of the F16 file)."""
+    if tname == "F32":
+        return np.ascontiguousarray(w, np.float32).view(np.uint8).reshape(-1)
+    h = w.astype(np.float16)
+    if tname == "F16":
+        return h.view(np.uint8).reshape(-1)
+    import gguf
+    from gguf.quants import quantize
+
+    return quantize(h.astype(np.float32), gguf.GGMLQuantizationType.Q8_0).reshape(-1)
