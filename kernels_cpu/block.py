@@ -14,7 +14,7 @@ The block, every norm an RMSNorm times its weight, [..] the optional parts (empt
     a = attention of q over the layer's cache, k and v stored there (kvquant.kv_decode)
     x += [norm(] r * a @ Wo.T [, post_attn_norm)]       r: the residual scale (granite; else 1)
     g, u = norm(x, ffn_norm) @ Wgu.T                     gate and up side by side
-    x += [norm(] act(g) * r * u @ Wdown.T [, post_ffw_norm)] act: silu or gelu
+    x += [norm(] r * act(g) * u @ Wdown.T [, post_ffw_norm)] act: silu or gelu (silu where r != 1)
 
 A fused weight (Wqkv, Wgu) comes as up to three runs of one GGML type each (gemma3 keeps v
 in another type than q and k), written side by side.
@@ -25,7 +25,7 @@ import numpy as np
 from numba import get_num_threads, njit
 
 from .kvquant import KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, _decode_core
-from .ops import _rmsnorm_row, _rope_token
+from .ops import _rmsnorm_row, _rope_token, _silu_mul_1d
 from .qmatmul import PRE, PRE_NONE, PRE_NORM, QWeight, _qmatvec
 
 _E1 = np.empty(0, np.float32)
@@ -80,9 +80,14 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
         if mgu[r]:
             _qmatvec(x, wgu[r], tgu[r], gu, col, PRE_NORM, ffn_norm, eps, e2, e1)
             col += mgu[r]
-    if res_scale != 1:
-        gu[0, gu.shape[1] // 2 :] *= res_scale  # the up half: act(g) * (r * u)
-    _qmatvec(gu, wdown, tdown, o, 0, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
+    if res_scale == 1:
+        _qmatvec(gu, wdown, tdown, o, 0, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
+    else:  # as the model's ops do it: h = silu(g) * u, h *= r, x += down(h)
+        nf = gu.shape[1] // 2
+        h = np.empty((1, nf), np.float32)
+        _silu_mul_1d(gu[0, :nf], gu[0, nf:], h[0])
+        h *= res_scale
+        _qmatvec(h, wdown, tdown, o, 0, PRE_NONE, e1, eps, x, post_ffw)
 
 
 def _runs(w) -> tuple[tuple, tuple, tuple]:
@@ -119,6 +124,8 @@ def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_at
         raise ValueError("decoder block: weight shapes do not fit the head counts and widths")
     if not isinstance(attn_output, QWeight) or not isinstance(ffn_down, QWeight) or act not in ("silu", "gelu"):
         raise ValueError("decoder block: attn_output and ffn_down must be single weights, act silu or gelu")
+    if residual_scale != 1 and act != "silu":
+        raise ValueError("decoder block: a residual scale only with silu")
     if (q_norm is None) != (k_norm is None) or 2 * rope_freqs.shape[0] > hd:
         raise ValueError("decoder block: q_norm and k_norm come together; RoPE dims must fit the head")
     W = (wqkv, tqkv, mqkv, attn_output.ws, attn_output.qtype, wgu, tgu, mgu, ffn_down.ws, ffn_down.qtype)
