@@ -128,13 +128,22 @@ def _off_residual_scale(model):
     model.cfg = dataclasses.replace(model.cfg, residual_scale=1.0)
 
 
+def _off_embedding_scale(model):
+    model.cfg = dataclasses.replace(model.cfg, embedding_scale=1.0)
+
+
+def _off_logit_scale(model):
+    model.cfg = dataclasses.replace(model.cfg, logit_scale=1.0)
+
+
 def _off_attention_scale(model):
     model.attn_scale = 1.0 / np.sqrt(model.cfg.head_dim)
 
 
 @pytest.mark.parametrize("case,switch_off", [
     ("llama3", _off_llama3_factors), ("qwen3", _off_yarn), ("qwen3", _off_qk_norm),
-    ("granite", _off_residual_scale), ("granite", _off_attention_scale),
+    ("granite", _off_residual_scale), ("granite", _off_attention_scale), ("granite", _off_embedding_scale),
+    ("granite", _off_logit_scale),
 ])
 def test_each_feature_matters(root, case, switch_off):
     """The harness can fail: edgekv with the feature switched off misses the thresholds."""
@@ -206,3 +215,39 @@ def test_saved_session_continues_exactly(root, tmp_path, case):
     after = s.send("jumps over")
     r = ChatSession.load(tmp_path / "chat.ekv", llm)
     assert r.send("jumps over") == after
+
+
+def test_rope_frequencies_are_ggmls():
+    """edgekv.rope's per-pair frequencies against ggml's rope_yarn written out per element as
+    ggml-cpu does it (theta_extrap / freq factor, interpolated by freq_scale, mixed by the ramp),
+    for YaRN with factors and plain linear scaling; and the YaRN magnitude factor."""
+    import math
+
+    from edgekv.rope import llama3_factors, rope_freqs
+
+    n_rot, base, s, n_orig = 64, 10000.0, 0.25, 512
+    ff = llama3_factors(base, n_rot, 8.0, 1.0, 4.0, 64)
+    lo = max(0.0, math.floor(n_rot * math.log(n_orig / (32 * 2 * math.pi)) / (2 * math.log(base))))
+    hi = min(n_rot - 1.0, math.ceil(n_rot * math.log(n_orig / (1 * 2 * math.pi)) / (2 * math.log(base))))
+    for yarn in (True, False):
+        want = []
+        for i0 in range(0, n_rot, 2):
+            theta_extrap = base ** (-i0 / n_rot) / float(ff[i0 // 2])
+            theta = s * theta_extrap
+            if yarn:
+                ramp_mix = 1 - min(1.0, max(0.0, (i0 // 2 - lo) / max(0.001, hi - lo)))
+                theta = theta * (1 - ramp_mix) + theta_extrap * ramp_mix
+            want.append(theta)
+        got = rope_freqs(base, n_rot, s, ff, (n_orig, 32.0, 1.0) if yarn else None)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert 0 < lo < hi < n_rot // 2 - 1  # the ramp lies inside the head: both ends are exercised
+
+
+def test_yarn_magnitude_folds_into_the_attention_scale(root):
+    """llama.cpp's YaRN q/k magnitude (1 + 0.1 ln factor; its get_mscale cancels against ggml's)
+    enters edgekv's attention scale squared."""
+    import math
+
+    model = load(model_file(root, "qwen3", "q8_0"), "reference")
+    assert math.isclose(model.cfg.rope.attn_factor, 1 + 0.1 * math.log(4.0))
+    assert math.isclose(model.attn_scale, model.cfg.rope.attn_factor**2 / math.sqrt(model.cfg.head_dim))
