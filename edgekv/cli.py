@@ -387,8 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random weights (for benchmarks)")
     s.add_argument("out", metavar="OUT.gguf")
     s.add_argument("--arch", default="llama", choices=["llama", "gemma3", "qwen3", "granite"])
-    s.add_argument("--size", default="7b", help="llama: tiny, 1b, 7b, 13b, 8b (Llama-3.1); gemma3: tiny, 270m, 1b; "
-                   "qwen3: tiny, 8b; granite: tiny, 8b")
+    s.add_argument("--size", default="7b", help="llama: tiny, 1b, 7b, 13b, 8b (Llama-3.1), 12b (Mistral-Nemo); "
+                   "gemma3: tiny, 270m, 1b; qwen3: tiny, 8b; granite: tiny, 8b")
     s.add_argument("--type", default="q4_0", help="q4_0, q5_0, q8_0, q4_k, q6_k, f16, f32")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("-q", "--quiet", action="store_true")

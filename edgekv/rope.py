@@ -102,7 +102,8 @@ def from_gguf(f, n_rot: int, head_dim: int, neox: bool, base: float | None = Non
     if factors and "rope_freqs.weight" in f.tensors:
         t = f.tensors["rope_freqs.weight"]
         if t.shape != (n_rot // 2,) or t.qtype not in (0, 1):
-            raise ModelFileError(f"tensor rope_freqs.weight is {t.type_name} {t.shape}, expected F32 or F16 ({n_rot // 2},)")
+            raise ModelFileError(f"tensor rope_freqs.weight is {t.type_name} {t.shape}, "
+                                 f"expected F32 or F16 ({n_rot // 2},)")
         ff = t.as_float().astype(np.float64)
         if not (np.isfinite(ff).all() and (ff > 0).all()):
             raise ModelFileError("tensor rope_freqs.weight must hold finite positive factors")
@@ -116,5 +117,6 @@ def from_gguf(f, n_rot: int, head_dim: int, neox: bool, base: float | None = Non
         if s < 1.0:  # ggml's magnitude correction (llama.cpp cancels its own get_mscale against it)
             attn_factor *= 1.0 + 0.1 * math.log(1.0 / s)
     if attn_factor != 1.0 and n_rot != head_dim:
-        raise UnsupportedModelError(f"rope attention factor {attn_factor:g} with partial rotation ({n_rot} of {head_dim} dims)")
+        raise UnsupportedModelError(f"rope attention factor {attn_factor:g} with partial rotation "
+                                    f"({n_rot} of {head_dim} dims)")
     return Rope(rope_freqs(base, n_rot, s, ff, yarn), neox, attn_factor)

@@ -42,6 +42,9 @@ SIZES: dict[str, dict[str, dict]] = {
         # Llama-3.1-8B: GQA 32/8, llama3 RoPE frequency factors (rope_freqs.weight)
         "8b":   dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_vocab=128256, n_ctx=131072,
                      rope_base=500000.0, rope_llama3=(8.0, 1.0, 4.0, 8192)),
+        # Mistral-Nemo-12B: head size 128 from attention.key_length, n_embd / n_head = 160
+        "12b":  dict(n_layer=40, n_embd=5120, n_head=32, n_head_kv=8, head_dim=128, n_ff=14336, n_vocab=131072,
+                     n_ctx=1024000, rope_base=1e6),
     },
     "qwen3": {
         # head size 128 with n_embd/n_head = 64: the key_length path
@@ -195,7 +198,7 @@ def _hparams(arch: str, size: str, overrides: dict) -> dict:
     hp.setdefault("head_dim", hp["n_embd"] // hp["n_head"])
     if hp["n_head"] % hp["n_head_kv"] or hp["head_dim"] % 2:
         raise ValueError(f"n_head {hp['n_head']} must be a multiple of n_head_kv {hp['n_head_kv']} and head_dim even")
-    if arch in ("llama", "granite") and hp["head_dim"] * hp["n_head"] != hp["n_embd"]:
+    if arch == "granite" and hp["head_dim"] * hp["n_head"] != hp["n_embd"]:
         raise ValueError(f"{arch} needs n_embd == n_head * head_dim")
     n_min = len(SPECIALS[arch]) + 256
     if hp["n_vocab"] < n_min:
@@ -261,6 +264,9 @@ def _add_metadata(w, arch, size, qtype, ftype, hp, seed, tokens, scores, types) 
     if arch in ("llama", "granite"):
         w.add_uint32(f"{a}.rope.dimension_count", hp["head_dim"])
         w.add_uint32(f"{a}.vocab_size", hp["n_vocab"])
+        if hp["head_dim"] * hp["n_head"] != hp["n_embd"]:  # Mistral-Nemo
+            w.add_uint32(f"{a}.attention.key_length", hp["head_dim"])
+            w.add_uint32(f"{a}.attention.value_length", hp["head_dim"])
     else:
         w.add_uint32(f"{a}.attention.key_length", hp["head_dim"])
         w.add_uint32(f"{a}.attention.value_length", hp["head_dim"])

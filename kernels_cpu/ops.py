@@ -239,7 +239,8 @@ def rotate(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool, hea
             f"rope: x {x.dtype}{x.shape} must be float32 (n, heads, hd), pos {pos.dtype}{pos.shape} int64 (n,)"
         )
     if inv_freq.dtype != np.float64 or inv_freq.ndim != 1 or not 0 < 2 * inv_freq.shape[0] <= x.shape[2]:
-        raise ValueError(f"rope: frequencies {inv_freq.dtype}{inv_freq.shape} must be float64 (n_rot/2,) within head_dim {x.shape[2]}")
+        raise ValueError(f"rope: frequencies {inv_freq.dtype}{inv_freq.shape} must be float64 (n_rot/2,) "
+                         f"within head_dim {x.shape[2]}")
     nh = x.shape[1] if heads is None else heads
     if not 0 <= nh <= x.shape[1]:
         raise ValueError(f"rope: heads={heads} outside the {x.shape[1]} heads of x")

@@ -63,16 +63,26 @@ def agreement(model, fixture: dict) -> tuple[float, float]:
     tops, kls = [], []
     for P in fixture["prompts"]:
         ids = P["prompt_ids"] + P["continuation"][:-1]
-        lg = teacher_forced_logits(model, ids)[len(P["prompt_ids"]) - 1 :].astype(np.float64)
-        for j, row in enumerate(lg):
-            tid = np.array(P["top_ids"][j])
-            p = np.exp(np.array(P["top_logprobs"][j]))
-            p /= p.sum()
-            q = np.exp(row[tid] - row.max())
-            q /= q.sum()
-            kls.append(float(np.sum(p * (np.log(p) - np.log(q)))))
-            tops.append(int(np.argmax(row)) == tid[0])
+        lg = teacher_forced_logits(model, ids)[len(P["prompt_ids"]) - 1 :]
+        t, k = row_agreement(lg, P["top_ids"], P["top_logprobs"])
+        tops += t
+        kls += k
     return float(np.mean(tops)), float(np.mean(kls))
+
+
+def row_agreement(logits: np.ndarray, top_ids, top_logprobs) -> tuple[list[bool], list[float]]:
+    """Per row of our logits (n, n_vocab): whether its argmax is llama.cpp's top-1, and KL(p || q)
+    with p = llama.cpp's top-20 renormalised, q = ours on the same ids renormalised."""
+    tops, kls = [], []
+    for row, tid, lp in zip(logits.astype(np.float64), top_ids, top_logprobs):
+        tid = np.asarray(tid)
+        p = np.exp(np.asarray(lp, dtype=np.float64))
+        p /= p.sum()
+        q = np.exp(row[tid] - row.max())
+        q /= q.sum()
+        kls.append(float(np.sum(p * (np.log(p) - np.log(q)))))
+        tops.append(int(np.argmax(row)) == tid[0])
+    return tops, kls
 
 
 @pytest.fixture(params=sorted(MODELS))

@@ -1,9 +1,10 @@
-"""The newer architectures (llama with llama3 RoPE factors, qwen3 with YaRN, granite) against
-llama.cpp on small synthetic models with peaked next-token distributions (edgekv synth
---peaked; fixtures/record_archs.py recorded llama.cpp on them), teacher-forced at every one of
-400 positions, F16, Q8_0 (both written here by edgekv synth, byte-identical to what llama.cpp
-saw) and Q4_K_M (llama.cpp's quantizer, kept in fixtures/archs/). Each feature is shown to
-matter: with it switched off edgekv fails the same thresholds."""
+"""The newer architectures (llama with llama3 RoPE factors, qwen3 with YaRN, granite, llama with
+Mistral-Nemo's key_length heads) against llama.cpp on small synthetic models with peaked
+next-token distributions (write_synthetic(peaked=True); fixtures/record_archs.py recorded
+llama.cpp on them), teacher-forced at every one of 400 positions, F16, Q8_0 (both written here
+by edgekv synth, byte-identical to what llama.cpp saw) and Q4_K_M (llama.cpp's quantizer, kept in fixtures/archs/). Each feature is shown to
+matter: with it switched off edgekv fails the same thresholds (nemo's head size has no such
+control: with n_embd / n_head instead of key_length its tensors do not fit and it is refused)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, teacher_forced_logits
+from conftest import FIXTURES, row_agreement, teacher_forced_logits
 
 MIN_TOP1, MAX_KL = 0.95, 0.01
-CASES = ("llama3", "qwen3", "granite")
+CASES = ("llama3", "qwen3", "granite", "nemo")  # nemo: llama with 128-wide heads from key_length
 TYPES = ("f16", "q8_0", "q4_k_m")
 
 
@@ -64,15 +65,8 @@ def load(path: Path, device: str):
 def agreement(model, case: str, qtype: str, kind: str = "f16") -> tuple[float, float]:
     """(top-1, mean KL over llama.cpp's top-20), as conftest.agreement, at every position."""
     fx, rec = fixture(case), fixture(case)["types"][qtype]
-    lg = teacher_forced_logits(model, fx["ids"], n_ctx=512, kind=kind).astype(np.float64)
-    tops, kls = [], []
-    for row, tid, lp in zip(lg, rec["top_ids"], rec["top_logprobs"]):
-        p = np.exp(np.array(lp))
-        p /= p.sum()
-        q = np.exp(row[tid] - row.max())
-        q /= q.sum()
-        kls.append(float(np.sum(p * (np.log(p) - np.log(q)))))
-        tops.append(int(np.argmax(row)) == tid[0])
+    lg = teacher_forced_logits(model, fx["ids"], n_ctx=512, kind=kind)
+    tops, kls = row_agreement(lg, rec["top_ids"], rec["top_logprobs"])
     return float(np.mean(tops)), float(np.mean(kls))
 
 
@@ -196,8 +190,11 @@ def test_int4_cache_close_to_f16(root, case):
     ids = fixture(case)["ids"]
     f16 = teacher_forced_logits(model, ids, n_ctx=512, kind="f16").astype(np.float64)
     int4 = teacher_forced_logits(model, ids, n_ctx=512, kind="int4").astype(np.float64)
-    lp = lambda x: x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))  # noqa: E731
-    a, b = lp(f16), lp(int4)
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    a, b = log_softmax(f16), log_softmax(int4)
     kl = float(np.mean(np.sum(np.exp(a) * (a - b), axis=-1)))
     top1 = float(np.mean(a.argmax(-1) == b.argmax(-1)))
     print(f"{case} int4 vs f16 cache: top-1 {top1:.3f}, KL {kl:.4f}")
