@@ -152,6 +152,8 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
 
     threads = [t or physical_cores() for t in threads]
     cases = plan(list(prompt), list(gen), list(depths), list(kvs), threads)
+    if not cases:
+        raise EdgekvError("nothing to benchmark: every prompt length (-p) and generation length (-n) is 0")
     n_ctx_need = max(c.depth + c.n for c in cases) + 8
     runtimes = [EdgekvRunner]
     if compare:
