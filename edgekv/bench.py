@@ -196,6 +196,8 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
 
     loads = [0, background_load] if background_load else [0]
     cases = plan(list(prompt), list(gen), list(depths), list(kvs), list(threads), loads)
+    if not cases:
+        raise EdgekvError("nothing to benchmark: every prompt length (-p) and generation length (-n) is 0")
     n_ctx_need = max(c.depth + c.n for c in cases) + 8
     runtimes = [EdgekvRunner]
     if compare:

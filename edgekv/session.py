@@ -106,6 +106,19 @@ class ChatSession:
         last = self.history.pop()["content"]
         return self.send(last, **kw)
 
+    def undo(self) -> None:
+        """Drop the last user message and its reply; the cache rolls back to the conversation
+        before them (or is emptied when the ring has already dropped what that needs)."""
+        with self._lock:
+            if len(self.history) < 2 or self.history[-1]["role"] != "assistant":
+                raise EdgekvError("nothing to undo")
+            del self.history[-2:]
+            self._cached_text = None
+            if self.messages():  # keep the prefix the rest of the conversation still renders to
+                self.seq.reuse(self.llm.chat_ids(self.llm.template.render(self.messages(), add_generation_prompt=True)))
+            else:
+                self.seq.reset()
+
     def reset(self, system: str | None = ...) -> None:
         """Forget the conversation (and optionally set a new system prompt)."""
         if system is not ...:
