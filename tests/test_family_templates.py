@@ -135,3 +135,93 @@ def test_gguf_embedded_template_is_the_fixture(name):
         assert ct.bos_token == RECORDED["templates"][stem]["bos_token"]
     for case in RECORDED["templates"][stem]["cases"]:
         assert ct.render(case["messages"], case["add_generation_prompt"]) == case["expected"], case["name"]
+
+
+# --- end of generation -----------------------------------------------------------------------------
+
+CONTROL, NORMAL = 3, 1  # GGUF token types
+
+# Per family: tokenizer model, pre-tokenizer, the special tokens of its real vocabulary (in id
+# order; a subset), which ones the GGUF names as bos/eos, and the tokens llama.cpp (hence edgekv)
+# ends generation on. The chat end-of-turn token of each family must be among them; the tokens
+# that open a turn or a role must not.
+FAMILIES = {
+    "llama-3.1": ("gpt2", "llama-bpe", ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                        "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"],
+                  "<|begin_of_text|>", "<|eot_id|>", {"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"}),
+    "qwen2.5/qwen3": ("gpt2", "qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                                        "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                                        "<|repo_name|>", "<|file_sep|>", "<think>", "</think>"],
+                      "<|endoftext|>", "<|im_end|>",
+                      {"<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}),
+    "phi-3/3.5": ("llama", "default", ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>",
+                                       "<|end|>", "<|user|>"],
+                  "<s>", "<|endoftext|>", {"</s>", "<|endoftext|>", "<|end|>"}),
+    "phi-4": ("gpt2", "dbrx", ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|im_start|>",
+                               "<|im_end|>", "<|im_sep|>"],
+              "<|endoftext|>", "<|im_end|>", {"<|endoftext|>", "<|im_end|>"}),
+    "phi-4-mini": ("gpt2", "gpt-4o", ["<|endoftext|>", "<|endofprompt|>", "<|assistant|>", "<|end|>", "<|user|>",
+                                      "<|system|>", "<|tool|>", "<|/tool|>", "<|tool_call|>", "<|/tool_call|>",
+                                      "<|tool_response|>", "<|tag|>"],
+                   "<|endoftext|>", "<|endoftext|>", {"<|endoftext|>", "<|end|>"}),
+    "gemma-2": ("llama", "default", ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>",
+                                     "<end_of_turn>"],
+                "<bos>", "<eos>", {"<eos>", "<end_of_turn>"}),
+    "mistral-nemo": ("gpt2", "tekken", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                                        "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]"],
+                     "<s>", "</s>", {"</s>"}),
+    "granite-3": ("gpt2", "refact", ["<|end_of_text|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>",
+                                     "<filename>", "<reponame>", "<|start_of_role|>", "<|end_of_role|>",
+                                     "<|tool_call|>"],
+                  "<|end_of_text|>", "<|end_of_text|>", {"<|end_of_text|>", "<fim_pad>", "<reponame>"}),
+}
+TURN_ENDS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "</s>", "<|end_of_text|>"}
+
+
+def family_vocab(model: str, pre: str, specials: list[str], bos: str, eos: str) -> dict:
+    """Vocab-only GGUF metadata: the specials (CONTROL) first, then single characters."""
+    chars = [chr(c) for c in range(0x21, 0x7F)]
+    tokens = specials + chars
+    meta = {"tokenizer.ggml.model": model, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [CONTROL] * len(specials) + [NORMAL] * len(chars),
+            "tokenizer.ggml.bos_token_id": tokens.index(bos), "tokenizer.ggml.eos_token_id": tokens.index(eos)}
+    if model == "gpt2":
+        meta |= {"tokenizer.ggml.pre": pre, "tokenizer.ggml.merges": []}
+    else:
+        meta["tokenizer.ggml.scores"] = [0.0] * len(tokens)
+    return meta
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_end_of_turn_tokens_end_generation(family):
+    model, pre, specials, bos, eos, expected = FAMILIES[family]
+    tok = Tokenizer.from_metadata(family_vocab(model, pre, specials, bos, eos))
+    eog = {tok.token_text(i) for i in tok.eot_ids}
+    assert eog == expected
+    assert TURN_ENDS & set(specials) <= eog  # every end-of-turn text the family has
+    assert tok.eos_id in tok.eot_ids
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("llama-bpe", {"<|end_of_text|>", "<|eot_id|>"}),  # Llama 3.0's vocabulary: no <|eom_id|> yet
+    ("qwen2", {"<|endoftext|>", "<|im_end|>", "</s>"}),  # "</s>" is an ordinary BPE token here; llama.cpp's list has it
+    ("phi-3", {"</s>", "<|endoftext|>", "<|end|>"}),
+])
+def test_peer_vocab_end_of_turn_tokens(name, expected):
+    if PEER is None:
+        pytest.skip("../shared/peer_vocab (llama.cpp's vocab-only files) is absent")
+    tok = Tokenizer.from_metadata(read_metadata(PEER / f"ggml-vocab-{name}.gguf"))
+    assert {tok.token_text(i) for i in tok.eot_ids} == expected
+
+
+def test_generation_stops_at_an_end_of_turn_token_that_is_not_eos(tmp_path):
+    # Tiny synthetic Gemma-3 file: eos is <eos>, the turn ends with <end_of_turn>.
+    import edgekv
+    from edgekv.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "g.gguf", arch="gemma3", size="tiny", qtype="q8_0", progress=False)
+    llm = edgekv.load(path, n_ctx=64)
+    end = llm.tokenizer.encode("<end_of_turn>", add_bos=False)
+    assert len(end) == 1 and end[0] != llm.tokenizer.eos_id and end[0] in llm.tokenizer.eot_ids
+    events = list(llm.generate("Hello", max_tokens=8, temperature=0, logit_bias={end[0]: 1e4}))
+    assert [e.text for e in events] == [""] and events[-1].finish_reason == "stop"
