@@ -108,10 +108,8 @@ def test_builtin_formats_need_text_content():
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_namespace_refuses_underscore_names():
-    for src in ("{% set ns = namespace(_x=1) %}", "{% set ns = namespace() %}{% set ns._x = 1 %}"):
-        with pytest.raises(TemplateError, match="unsafe operation.*underscore"):
-            ChatTemplate(src).render([{"role": "user", "content": "x"}])
+def test_namespace_and_dict_as_transformers_has_them():
+    # (underscore names on a namespace are refused: see test_chat_template's HOSTILE)
     ok = ("{% set ns = namespace(n=1) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}"
           "{{ dict(a=1)|tojson }}{{ dict.fromkeys('ab') }}")
     assert ChatTemplate(ok).render([{"role": "user", "content": "x"}]) == "2{\"a\": 1}{'a': None, 'b': None}"
