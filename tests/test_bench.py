@@ -52,3 +52,31 @@ def test_plot_without_matplotlib_fails_before_benchmarking(tmp_path, capsys, mon
     monkeypatch.setattr(edgekv.bench, "run_bench", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
     assert main(["bench", str(tmp_path / "any.gguf"), "--plot", str(tmp_path / "d.png")]) == 1
     assert "pip install 'edgekv[plot]'" in capsys.readouterr().err
+
+
+def test_bench_background_load_rows_side_by_side(tmp_path, capsys):
+    """--background-load N: each test quiet and beside N busy processes, the loaded row's ratio
+    to the quiet one; the busy processes are gone afterwards."""
+    import os
+
+    from edgekv.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "t.gguf", arch="llama", size="tiny", qtype="q4_0", progress=False)
+    before = set(os.listdir("/proc")) if os.path.isdir("/proc") else set()
+    assert main(["bench", str(path), "-p", "8", "-n", "2", "-r", "1", "-t", "auto,1", "--background-load", "1",
+                 "-q", "-o", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["background_load"] == 1
+    rows = out["rows"]
+    auto = next(str(r["threads"]) for r in rows if str(r["threads"]).startswith("auto<="))
+    assert sorted((r["test"], str(r["threads"]), r["load"]) for r in rows) == sorted(
+        (test, threads, load) for test in ("pp8", "tg2") for threads in (auto, "1") for load in (0, 1))
+    for r in rows:
+        assert ("ratio_vs_quiet" in r) == (r["load"] == 1) and r["tokens_per_s"] > 0
+    if before:  # no busy child left running
+        for pid in set(os.listdir("/proc")) - before:
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            assert b"while True: pass" not in cmd
