@@ -4,6 +4,9 @@ Ring. A layer's ring holds `capacity` tokens. Until it is full, token i goes to 
 full, the first `n_sink` slots keep the first tokens (attention sinks) and the oldest of the
 rest is overwritten, so a chat can run forever in bounded memory. Each slot remembers its
 token's position (-1 = empty); attention masks by position, so slot order never matters.
+Slots from `fill` (min(tokens written, capacity)) on are empty whatever they hold, and nothing
+reads them: every array of a ring is np.zeros, pages the OS backs only as the ring fills, so
+an empty cache of a huge n_ctx costs no memory yet (`cache_bytes` is what it will cost).
 Sliding-window layers (gemma3) get a ring of exactly their window and no sinks.
 
 Positions (StreamingLLM). Keys are stored after RoPE at their absolute positions. RoPE scores
@@ -158,7 +161,7 @@ class LayerKV:
     v: np.ndarray  # same layout as k (values are not rotated)
     k_scale: np.ndarray  # f16 (cap, Hkv, hd/32); (1, 1, 1) unused for f16
     v_scale: np.ndarray
-    pos: np.ndarray  # (cap,) int64, -1 = empty slot
+    pos: np.ndarray  # (cap,) int64, -1 = empty slot; slots from `fill` on are empty whatever they hold
     n_sink: int  # slots 0..n_sink-1 keep the first tokens forever
     window: int  # the model's sliding window for this layer (0 = global)
     n_written: int = 0  # tokens ever written (the ring's write cursor)
@@ -225,6 +228,18 @@ class LayerKV:
     @property
     def capacity(self) -> int:
         return self.pos.shape[0]
+
+    @property
+    def fill(self) -> int:
+        """Slots in use: a ring fills from slot 0, so slots fill.. are empty (never read)."""
+        return min(self.n_written, self.capacity)
+
+    @property
+    def live(self) -> np.ndarray:
+        """(cap,) bool: the slots that hold a token."""
+        live = np.zeros(self.capacity, bool)
+        live[: self.fill] = self.pos[: self.fill] >= 0
+        return live
 
     @property
     def rotated(self) -> bool:
@@ -303,13 +318,15 @@ class LayerKV:
         self.n_written += len(pos)
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
-        """Reference read of the whole ring: (k, v) float32 (cap, Hkv, hd); keys in stored space."""
+        """Reference read of the filled slots: (k, v) float32 (fill, Hkv, hd); keys in stored space."""
+        m = self.fill
         if self.kind == "f16":
-            return self.k.astype(np.float32), self.v.astype(np.float32)
-        return dequantize(self.kind, self.k, self.k_scale), dequantize(self.kind, self.v, self.v_scale)
+            return self.k[:m].astype(np.float32), self.v[:m].astype(np.float32)
+        return (dequantize(self.kind, self.k[:m], self.k_scale[:m]),
+                dequantize(self.kind, self.v[:m], self.v_scale[:m]))
 
     def reset(self) -> None:
-        self.pos[:] = -1
+        self.pos[: self.fill] = -1
         self.rpos[:] = -1
         self.n_written = 0
 
@@ -318,7 +335,8 @@ class LayerKV:
         wrapped: the tokens those overwrote are gone, so the caller must prefill again."""
         if self.n_written > self.capacity:
             return False
-        self.pos[self.pos >= n] = -1
+        live = self.pos[: self.fill]
+        live[live >= n] = -1
         self.rpos[self.rpos >= n] = -1
         self.n_written = min(self.n_written, n)
         return True
@@ -345,7 +363,7 @@ def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: i
     shape = (capacity, n_head_kv, head_dim)
     if kind == "f16":
         k, v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
-        ks = vs = np.zeros((1, 1, 1), np.float16)
+        ks = vs = np.zeros((1, 1, 1), np.float16)  # unused
     else:
         if head_dim % GROUP:
             raise EdgekvError(f"{kind} KV cache needs head_dim a multiple of {GROUP}, this model has {head_dim}")
@@ -353,13 +371,14 @@ def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: i
         dt = np.int8 if kind == "int8" else np.uint8
         k, v = np.zeros((capacity, n_head_kv, width), dt), np.zeros((capacity, n_head_kv, width), dt)
         ks = np.zeros((capacity, n_head_kv, head_dim // GROUP), np.float16)
-        vs = np.zeros_like(ks)
+        vs = np.zeros(ks.shape, ks.dtype)  # not zeros_like: that writes every page now
     n_sink = min(n_sink, capacity)
     # f16 is exact already. At most capacity - n_sink: a sink then is only ever read exact
     # before the ring wraps, while its query needs no counter-rotation (sink_shift 0).
     recent = 0 if kind == "f16" else min(RECENT if recent is None else recent, capacity - n_sink)
     first = max(n_sink, FIRST) if recent else 0
-    return LayerKV(kind, k, v, ks, vs, np.full(capacity, -1, np.int64), n_sink, window, recent=recent, first=first)
+    pos = np.zeros(capacity, np.int64)  # no -1 fill: slots from `fill` on are empty anyway
+    return LayerKV(kind, k, v, ks, vs, pos, n_sink, window, recent=recent, first=first)
 
 
 class KVCache:
