@@ -49,6 +49,7 @@ This module is the numpy reference of that layout; kernels_cpu/kvquant.py is the
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +75,14 @@ def recent_bytes(kind: str, n_layer: int, n_head_kv: int, head_dim: int) -> int:
     """Fixed bytes of the exact slots of an int cache: FIRST + RECENT f16 tokens (K and V)
     per layer, whatever the capacity (default sinks; less for a ring too small to hold them)."""
     return 0 if kind == "f16" else n_layer * (FIRST + RECENT) * 2 * n_head_kv * head_dim * 2
+
+
+def cache_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) -> int:
+    """Bytes a cache of these rings holds once full: the rings, the exact slots and one int64
+    position per slot. An empty cache costs almost none of it (the arrays are np.zeros, backed
+    by the OS as the ring fills), but a chat that fills the ring touches all of it."""
+    return (kv_bytes(kind, capacities, n_head_kv, head_dim) + 8 * sum(capacities)
+            + recent_bytes(kind, len(capacities), n_head_kv, head_dim))
 
 
 # -- the numpy reference of the stored layout ----------------------------------------------
@@ -147,7 +156,7 @@ def dequantize(kind: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
         lo = (q & 0x0F).astype(np.int8) - 8
         hi = (q >> 4).astype(np.int8) - 8
         q = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
-    g = q.reshape(*q.shape[:-1], -1, GROUP).astype(np.float32)
+    g = q.reshape(*q.shape[:-1], q.shape[-1] // GROUP, GROUP).astype(np.float32)  # no -1: q may be empty
     return (g * scale.astype(np.float32)[..., None]).reshape(q.shape)
 
 
@@ -356,28 +365,38 @@ class LayerKV:
         return self.ring_nbytes + self.recent_nbytes
 
 
+def lazy_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros whose memory the OS provides page by page as they are first written. np.zeros
+    is that only for blocks malloc maps afresh: below its mmap threshold (up to 32 MiB once
+    it adapts) calloc clears reused heap memory itself, which makes it all resident at once."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if n < 1 << 20:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, n), dtype).reshape(shape)  # the array keeps the mapping alive
+
+
 def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: int, window: int,
               recent: int | None = None) -> LayerKV:
     if kind not in KV_KINDS:
         raise EdgekvError(f"unknown KV cache type {kind!r} (choose {', '.join(KV_KINDS)})")
     shape = (capacity, n_head_kv, head_dim)
     if kind == "f16":
-        k, v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+        k, v = lazy_zeros(shape, np.float16), lazy_zeros(shape, np.float16)
         ks = vs = np.zeros((1, 1, 1), np.float16)  # unused
     else:
         if head_dim % GROUP:
             raise EdgekvError(f"{kind} KV cache needs head_dim a multiple of {GROUP}, this model has {head_dim}")
         width = head_dim if kind == "int8" else head_dim // 2
         dt = np.int8 if kind == "int8" else np.uint8
-        k, v = np.zeros((capacity, n_head_kv, width), dt), np.zeros((capacity, n_head_kv, width), dt)
-        ks = np.zeros((capacity, n_head_kv, head_dim // GROUP), np.float16)
-        vs = np.zeros(ks.shape, ks.dtype)  # not zeros_like: that writes every page now
+        k, v = lazy_zeros((capacity, n_head_kv, width), dt), lazy_zeros((capacity, n_head_kv, width), dt)
+        ks = lazy_zeros((capacity, n_head_kv, head_dim // GROUP), np.float16)
+        vs = lazy_zeros(ks.shape, ks.dtype)
     n_sink = min(n_sink, capacity)
     # f16 is exact already. At most capacity - n_sink: a sink then is only ever read exact
     # before the ring wraps, while its query needs no counter-rotation (sink_shift 0).
     recent = 0 if kind == "f16" else min(RECENT if recent is None else recent, capacity - n_sink)
     first = max(n_sink, FIRST) if recent else 0
-    pos = np.zeros(capacity, np.int64)  # no -1 fill: slots from `fill` on are empty anyway
+    pos = lazy_zeros((capacity,), np.int64)  # no -1 fill: slots from `fill` on are empty anyway
     return LayerKV(kind, k, v, ks, vs, pos, n_sink, window, recent=recent, first=first)
 
 
