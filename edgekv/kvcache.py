@@ -61,6 +61,8 @@ KV_KINDS = ("f16", "int8", "int4")
 # Bytes per cached value, scales included.
 KV_BYTES_PER_VALUE = {"f16": 2.0, "int8": (GROUP + 2) / GROUP, "int4": (GROUP // 2 + 2) / GROUP}
 QMAX = {"int8": 127, "int4": 7}
+# Every array of a layer's cache (LayerKV's fields), as sessions save them.
+LAYER_ARRAYS = ("k", "v", "k_scale", "v_scale", "pos", "rk", "rv", "rpos", "mu", "kmul")
 RECENT = 32  # tokens per layer kept exact (f16) beside an int ring (KIVI's residual)
 FIRST = 4  # and the first tokens (the attention sinks: the keys most attended to)
 
@@ -349,6 +351,39 @@ class LayerKV:
         self.rpos[self.rpos >= n] = -1
         self.n_written = min(self.n_written, n)
         return True
+
+    # -- save / load (edgekv.session) --------------------------------------------------
+    @property
+    def slot_arrays(self) -> tuple[str, ...]:
+        """The arrays with one row per ring slot (f16's scales are a placeholder)."""
+        return ("k", "v", "pos") + (("k_scale", "v_scale") if self.kind != "f16" else ())
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Every array of the layer (LAYER_ARRAYS) as a session saves it, in its stored dtype:
+        the per-slot ones only up to the fill (a wrapped ring whole), so a saved chat grows
+        with its tokens, not with the capacity; the exact slots, mu and kmul whole."""
+        m = self.fill
+        return {name: getattr(self, name)[:m] if name in self.slot_arrays else getattr(self, name)
+                for name in LAYER_ARRAYS}
+
+    def load_state(self, arrays: dict[str, np.ndarray], n_written: int, n_tokens: int) -> None:
+        """Take a `state` of n_written tokens of a conversation of n_tokens; ValueError (and
+        nothing changed) unless every array has this layer's shape and dtype (the per-slot ones
+        cut at the fill) and every position lies in -1 .. n_tokens - 1."""
+        if n_written < 0:
+            raise ValueError("negative n_written")
+        m = min(n_written, self.capacity)
+        for name in LAYER_ARRAYS:
+            a, want = arrays[name], getattr(self, name)
+            shape = (m,) + want.shape[1:] if name in self.slot_arrays else want.shape
+            if a.shape != shape or a.dtype != want.dtype:
+                raise ValueError(f"array {name} {a.dtype}{a.shape} does not fit this cache ({want.dtype}{shape})")
+        for name in ("pos", "rpos"):
+            if arrays[name].size and not -1 <= arrays[name].min() <= arrays[name].max() < n_tokens:
+                raise ValueError(f"{name} out of range")
+        for name in LAYER_ARRAYS:
+            getattr(self, name)[: len(arrays[name])] = arrays[name]
+        self.n_written = n_written
 
     @property
     def ring_nbytes(self) -> int:
