@@ -405,7 +405,7 @@ def lazy_zeros(shape: tuple, dtype) -> np.ndarray:
     is that only for blocks malloc maps afresh: below its mmap threshold (up to 32 MiB once
     it adapts) calloc clears reused heap memory itself, which makes it all resident at once."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if n < 1 << 20:
+    if n < mmap.PAGESIZE:
         return np.zeros(shape, dtype)
     return np.frombuffer(mmap.mmap(-1, n), dtype).reshape(shape)  # the array keeps the mapping alive
 
