@@ -196,6 +196,8 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
 
     loads = [0, background_load] if background_load else [0]
     cases = plan(list(prompt), list(gen), list(depths), list(kvs), list(threads), loads)
+    if not cases:
+        raise EdgekvError("nothing to benchmark: every prompt length (-p) and generation length (-n) is 0")
     n_ctx_need = max(c.depth + c.n for c in cases) + 8
     runtimes = [EdgekvRunner]
     if compare:
@@ -250,9 +252,9 @@ def to_records(result: dict) -> list[dict]:
     quiet = {}
     for row in result["rows"]:
         if row.runtime == "llama.cpp":
-            base[(row.case.name, row.case.kv, row.case.threads, row.case.load)] = row.mean
+            base[(row.case.name, row.case.kv, row.case.threads, row.case.auto, row.case.load)] = row.mean
         if not row.case.load:
-            quiet[(row.runtime, row.case.name, row.case.kv, row.case.threads)] = row.mean
+            quiet[(row.runtime, row.case.name, row.case.kv, row.case.threads, row.case.auto)] = row.mean
     for row in result["rows"]:
         c = row.case
         threads = f"auto<={c.threads}" if c.auto and row.runtime == "edgekv" else c.threads
@@ -264,10 +266,10 @@ def to_records(result: dict) -> list[dict]:
             gbs = row.weight_bytes_per_token * row.mean / 1e9
             rec.update(weight_gb_per_s=round(gbs, 2), bandwidth_share=round(gbs * 1e9 / bw, 3))
         rec.update(kv_mib=round(row.kv_bytes / 2**20, 1), peak_rss_mib=round(row.peak_rss / 2**20, 1))
-        ref = base.get((c.name, c.kv, c.threads, c.load))
+        ref = base.get((c.name, c.kv, c.threads, c.auto, c.load))
         if ref and row.runtime == "edgekv":
             rec["ratio_vs_llama_cpp"] = round(row.mean / ref, 3)
-        calm = quiet.get((row.runtime, c.name, c.kv, c.threads))
+        calm = quiet.get((row.runtime, c.name, c.kv, c.threads, c.auto))
         if c.load and calm:
             rec["ratio_vs_quiet"] = round(row.mean / calm, 3)
         recs.append(rec)

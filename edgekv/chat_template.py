@@ -5,9 +5,13 @@ the model file, so it is untrusted: it renders in jinja2's ImmutableSandboxedEnv
 underscore attributes, no mutation of lists or dicts), under a wall-clock limit and an output
 size limit, and the operations that can allocate a huge value in one step (`*`, `**`, `+`, `%`,
 `~`, str.replace/join/format and the filters that widen text) are checked before they run.
-Environment settings follow Hugging Face transformers (trim_blocks, lstrip_blocks,
-loopcontrols, `{% generation %}`, raise_exception, strftime_now, tojson without HTML escaping),
-so templates written for transformers render the same here.
+Environment and inputs follow Hugging Face transformers' apply_chat_template (trim_blocks,
+lstrip_blocks, loopcontrols, `{% generation %}`, raise_exception, strftime_now, tojson as
+json.dumps, namespace() refusing underscore names; the template sees messages with None-valued
+keys dropped and `reasoning`/`thinking` copied to `reasoning_content`, tools, documents,
+add_generation_prompt, bos_token, eos_token and any extra variables such as enable_thinking or
+date_string), so templates written for transformers render the same here. One deliberate
+difference: no `lipsum` global (a text generator no chat template uses).
 
 Without a template, the format is chosen from the vocabulary:
   gemma   (vocab has <start_of_turn> and <end_of_turn>): Gemma 3's official template, exactly:
@@ -28,7 +32,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from functools import wraps
 
@@ -131,7 +135,7 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
     code_generator_class = _CheckedConcat
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
-    def __init__(self, max_chars: int) -> None:
+    def __init__(self, max_chars: int, clock: Callable[[], datetime]) -> None:
         super().__init__(
             trim_blocks=True,
             lstrip_blocks=True,
@@ -142,7 +146,9 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         self._state = threading.local()  # .deadline per rendering thread
         self.globals.pop("lipsum", None)  # a text generator; no chat template uses it
         self.globals["raise_exception"] = _raise_exception
-        self.globals["strftime_now"] = _strftime_now
+        self.globals["strftime_now"] = lambda fmt: clock().strftime(fmt)
+        self.globals["namespace"] = _TemplateNamespace
+        self.globals["dict"] = _TemplateDict()
         self.filters["tojson"] = _tojson
         self.filters = {name: self._guard_filter(name, f) for name, f in self.filters.items()}
 
@@ -288,8 +294,33 @@ def _raise_exception(message) -> None:
     raise TemplateError(f"chat template raised an error: {message}")
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+class _TemplateNamespace(Namespace):
+    """namespace() as transformers has it: no underscore-prefixed names stored on it."""
+
+    def __init__(*args, **kwargs):  # jinja's signature, so that namespace(self=...) works
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates cannot store underscore-prefixed names on a namespace ({name!r})")
+
+
+class _TemplateDict:
+    """dict() and dict.fromkeys() as transformers exposes them: calls that build dicts, not the type."""
+
+    def __call__(self, *args, **kwargs) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs) -> dict:
+        return dict.fromkeys(*args, **kwargs)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -337,7 +368,32 @@ def _render_plain(messages: list[dict], add_generation_prompt: bool) -> str:
     return "".join(out)
 
 
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names, first is standard
+
+
+def _plain(value, where: str):
+    """A copy of `value` built only from JSON types (tuples become lists, str/int/float subclasses
+    such as enums their base type): whatever else a caller passes could carry methods the sandbox
+    does not know to be unsafe."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base, to_base in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
+        if isinstance(value, base):  # bool cannot be subclassed, so only int's own subclasses land here
+            return to_base(value)
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise TemplateError(f"chat template input {where} has a key that is not a string")
+        return {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise TemplateError(f"chat template input {where} has type {type(value).__name__}; pass str, numbers, "
+                        "bool, None, lists and dicts")
+
+
 def _validated(messages) -> list[dict]:
+    """Plain copies of the messages as transformers' apply_chat_template hands them to a template:
+    keys whose value is None dropped, a message's reasoning copied under `reasoning_content` and
+    `thinking`. Content is a string, a list of parts or a dict, or absent beside tool_calls."""
     shape = "messages must be a non-empty list of {'role': str, 'content': str} dicts"
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TemplateError(shape)
@@ -347,10 +403,22 @@ def _validated(messages) -> list[dict]:
             raise TemplateError(f"{shape}; messages[{i}] is a {type(m).__name__}")
         if not isinstance(m.get("role"), str) or not m["role"]:
             raise TemplateError(f"{shape}; messages[{i}]['role'] is {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise TemplateError(f"{shape}; messages[{i}]['content'] is a {type(m.get('content')).__name__}")
-        out.append(dict(m))  # a copy: the template sees a snapshot, the caller's dicts stay theirs
+        content = m.get("content")
+        if not isinstance(content, (str, list, tuple, Mapping)) and not (content is None and m.get("tool_calls")):
+            raise TemplateError(f"{shape}; messages[{i}]['content'] is a {type(content).__name__}")
+        msg = {k: v for k, v in _plain(m, f"messages[{i}]").items() if v is not None}
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if k in msg), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        out.append(msg)
     return out
+
+
+def _text_only(messages: list[dict], kind: str) -> list[dict]:
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), str):
+            raise TemplateError(f"the built-in {kind} format needs string contents; messages[{i}] has none")
+    return messages
 
 
 # --- public -----------------------------------------------------------------------------------
@@ -361,7 +429,9 @@ class ChatTemplate:
 
     kind: "gguf" (the model's own template), or the fallback "gemma", "chatml" or "plain"
     (see the module docstring). Rendering a "gguf" template stops with TemplateError after
-    `time_limit_s` seconds or `max_output_chars` characters of output.
+    `time_limit_s` seconds or `max_output_chars` characters of output. `clock` is what the
+    template's strftime_now reads (Llama 3.2 and Granite print today's date); fix it for
+    reproducible prompts.
     """
 
     def __init__(
@@ -373,6 +443,7 @@ class ChatTemplate:
         vocab_tokens: Collection[str] = (),
         time_limit_s: float = 1.0,
         max_output_chars: int = 1_000_000,
+        clock: Callable[[], datetime] = datetime.now,
     ) -> None:
         if source is not None and not isinstance(source, str):
             raise TemplateError(f"chat template must be a string, not {type(source).__name__}")
@@ -383,6 +454,7 @@ class ChatTemplate:
         self.eos_token = eos_token
         self.time_limit_s = float(time_limit_s)
         self.max_output_chars = int(max_output_chars)
+        self.clock = clock
         if self.source is not None:
             self.kind = "gguf"
             self._compile()
@@ -396,7 +468,7 @@ class ChatTemplate:
     def _compile(self) -> None:
         if len(self.source) > _MAX_SOURCE_CHARS:
             raise TemplateError(f"chat template is longer than {_MAX_SOURCE_CHARS} characters")
-        self._env = _LimitedSandbox(self.max_output_chars)
+        self._env = _LimitedSandbox(self.max_output_chars, self.clock)
         # Compiling runs constant folding (filters on literals), so it gets the deadline too.
         self._env.start(self.time_limit_s)
         try:
@@ -412,9 +484,10 @@ class ChatTemplate:
 
     @classmethod
     def from_metadata(
-        cls, meta: Mapping, token_texts: Sequence[str], bos_id, eos_id, **limits
+        cls, meta: Mapping, token_texts: Sequence[str], bos_id, eos_id, **options
     ) -> ChatTemplate:
-        """From GGUF metadata (key -> python value) and the vocabulary's token texts."""
+        """From GGUF metadata (key -> python value) and the vocabulary's token texts; `options` are
+        the constructor's keywords (time_limit_s, max_output_chars, clock)."""
 
         def text(i) -> str:
             return token_texts[int(i)] if i is not None and 0 <= int(i) < len(token_texts) else ""
@@ -424,20 +497,34 @@ class ChatTemplate:
             bos_token=text(bos_id),
             eos_token=text(eos_id),
             vocab_tokens=token_texts,
-            **limits,
+            **options,
         )
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, *, tools: list | None = None,
+               documents: list | None = None, **variables) -> str:
+        """The prompt text for `messages`. tools, documents and `variables` (e.g. enable_thinking=False
+        for Qwen3, date_string="05 Dec 2026" for Llama 3.x) reach a "gguf" template as transformers'
+        apply_chat_template passes them; variables may also replace bos_token / eos_token. The
+        built-in formats have no use for them and ignore them, as a template that never reads them does."""
         msgs = _validated(messages)
         if self.kind == "gemma":
-            return _render_gemma(msgs, add_generation_prompt, self.bos_token)
+            return _render_gemma(_text_only(msgs, self.kind), add_generation_prompt, self.bos_token)
         if self.kind == "chatml":
-            return _render_chatml(msgs, add_generation_prompt)
+            return _render_chatml(_text_only(msgs, self.kind), add_generation_prompt)
         if self.kind == "plain":
-            return _render_plain(msgs, add_generation_prompt)
-        return self._render_sandboxed(msgs, bool(add_generation_prompt))
+            return _render_plain(_text_only(msgs, self.kind), add_generation_prompt)
+        context = {
+            "messages": msgs,
+            "tools": _plain(tools, "tools"),
+            "documents": _plain(documents, "documents"),
+            "add_generation_prompt": bool(add_generation_prompt),
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **{name: _plain(v, name) for name, v in variables.items()},
+        }
+        return self._render_sandboxed(context)
 
-    def _render_sandboxed(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render_sandboxed(self, context: dict) -> str:
         env, limit = self._env, self.max_output_chars
 
         # A loop with neither output nor calls (`{% for a in r %}{% for b in r %}...`) never
@@ -454,12 +541,7 @@ class ChatTemplate:
         pieces, size = [], 0
         previous_trace = sys.gettrace()
         env.start(self.time_limit_s)
-        chunks = self._template.generate(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        chunks = self._template.generate(context)
         sys.settrace(trace_call)
         try:
             for piece in chunks:

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import sys
 from collections import Counter
 
 from . import __version__
 from .errors import EdgekvError
+from .kvcache import KV_KINDS
 
 
 def cmd_pull(args) -> int:
@@ -98,16 +101,41 @@ def _sampling_args(args) -> dict:
                 repeat_penalty=args.repeat_penalty, seed=args.seed)
 
 
+def _load_args(args) -> dict:
+    return dict(n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, gpu_layers=args.gpu_layers)
+
+
+def read_text_file(path: str) -> str:
+    """A prompt or text file as a str (invalid UTF-8 as U+FFFD), or one EdgekvError line."""
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise EdgekvError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _run_prompt(args) -> str:
+    if args.file is not None:
+        if args.prompt is not None:
+            raise EdgekvError("give PROMPT or -f FILE, not both")
+        return read_text_file(args.file)
+    if args.prompt is None:
+        raise EdgekvError("no prompt: give PROMPT, - to read stdin, or -f FILE")
+    return sys.stdin.read() if args.prompt == "-" else args.prompt
+
+
 def cmd_run(args) -> int:
     import json
 
     from .llm import load
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = load(args.model, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, progress=not args.quiet,
-               gpu_layers=args.gpu_layers)
-    if args.chat:
-        prompt_in = llm.chat_ids(llm.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True))
+    prompt = _run_prompt(args)
+    llm = load(args.model, progress=not args.quiet, **_load_args(args))
+    if args.chat or args.system is not None:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompt_in = llm.chat_ids(llm.template.render([*system, {"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True))
     else:
         prompt_in = prompt
     pieces, reason = [], None
@@ -119,21 +147,46 @@ def cmd_run(args) -> int:
             print(printable(e.text) if tty else e.text, end="", flush=True)
     if args.json:
         print(json.dumps(dict(model=str(llm.path), text="".join(pieces), finish_reason=reason, **llm.stats.as_dict())))
-    else:
-        print(flush=True)
+    else:  # a pipe gets the text as generated; a person is told where it was cut
+        print(cut_note(args.max_tokens, Style.for_stdout()) if tty and reason == "length" else "", flush=True)
     return 0
 
 
 HELP = """commands:
   /help            this text
   /reset           forget the conversation
+  /regen           answer the last message again (the old reply is dropped)
+  /undo            drop the last message and its reply
+  /system          show the system prompt
   /system TEXT     set the system prompt (and reset)
+  /system --clear  remove the system prompt (and reset)
   /save FILE       save the session (cache included) to FILE
   /load FILE       continue a saved session
   /stats           speed of the last reply, tokens prefilled this turn, KV use
   /kv              cache type, capacity and fill
   /exit            quit (Ctrl-D works too)
 Ctrl-C stops the current reply and keeps the chat. End a line with \\ to continue on the next."""
+
+
+class Style:
+    """ANSI styles for a terminal that wants them, empty strings otherwise: what the person
+    types (and its prompt) in bold green, so it stands apart from the reply; edgekv's own notes
+    dim."""
+
+    def __init__(self, on: bool):
+        self.user = "\033[1;32m" if on else ""
+        self.note = "\033[2m" if on else ""
+        self.reset = "\033[0m" if on else ""
+
+    @classmethod
+    def for_stdout(cls) -> "Style":
+        """Colour only on a terminal, and not when NO_COLOR is set (no-color.org) or TERM=dumb."""
+        return cls(sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb")
+
+
+def cut_note(max_tokens: int, style: Style) -> str:
+    """What ends a reply that stopped at -n rather than where the model ended it."""
+    return f" […]\n{style.note}(cut at -n {max_tokens} tokens){style.reset}"
 
 
 # C0 controls but newline and tab, DEL, and the C1 range (0x9b is an 8-bit CSI to some terminals).
@@ -148,16 +201,21 @@ def printable(text: str) -> str:
                         else f"\\x{ord(m.group()):02x}", text)
 
 
-def _read_message(prompt: str) -> str:
-    """One message; a trailing backslash continues it on the next line."""
+def _read_message(style: Style) -> str:
+    """One message; a trailing backslash continues it on the next line. What is typed shows in
+    the user's style (readline needs the escape codes in the prompt bracketed by \\001..\\002)."""
+    on = f"\001{style.user}\002" if style.user else ""
     lines = []
-    while True:
-        line = input(prompt if not lines else "... ")
-        if line.endswith("\\"):
-            lines.append(line[:-1])
-            continue
-        lines.append(line)
-        return "\n".join(lines)
+    try:
+        while True:
+            line = input(on + ("> " if not lines else "... "))
+            if line.endswith("\\"):
+                lines.append(line[:-1])
+                continue
+            lines.append(line)
+            return "\n".join(lines)
+    finally:
+        print(style.reset, end="", flush=True)
 
 
 def _kv_line(sess) -> str:
@@ -173,87 +231,126 @@ def _kv_line(sess) -> str:
 def cmd_chat(args) -> int:
     from .hub import DEFAULT_MODEL
     from .llm import load
-    from .session import ChatSession
 
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    llm = load(args.model or DEFAULT_MODEL, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device,
-               progress=True, gpu_layers=args.gpu_layers)
-    sampling = dict(temperature=args.temp, seed=args.seed)
-    sess = llm.session(system=args.system, max_tokens=args.max_tokens, **sampling)
+    first = read_text_file(args.file) if args.file is not None else None
+    llm = load(args.model or DEFAULT_MODEL, progress=True, **_load_args(args))
+    sess = llm.session(system=args.system, max_tokens=args.max_tokens, **_sampling_args(args))
+    chat = Chat(llm, sess, stop=args.stop or (), style=Style.for_stdout())
     print(f"edgekv chat: {llm.path.name} ({llm.cfg.arch}, kv {llm.kv_type}, ctx {llm.n_ctx}). /help for commands.", flush=True)
     while True:
+        if first is not None:
+            text, first = first, None
+            print(f"> (the text of {args.file}, {len(text)} characters)")
+        else:
+            try:
+                text = _read_message(chat.style)
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print("\n(Ctrl-D or /exit to quit)")
+                continue
         try:
-            text = _read_message("> ")
-        except EOFError:
-            print()
-            return 0
-        except KeyboardInterrupt:
-            print("\n(Ctrl-D or /exit to quit)")
-            continue
-        try:
-            sess = _chat_step(text, sess, llm, ChatSession)
+            if not chat.step(text):
+                return 0
         except KeyboardInterrupt:  # mid-reply, mid-prefill or mid-command: the session stays usable
             print("\n(stopped)", flush=True)
-            continue
-        if sess is None:
-            return 0
 
 
-def _chat_step(text: str, sess, llm, ChatSession):
-    """One line of the chat: a slash command or a message. The session to continue with, or
-    None to exit."""
-    cmd, _, arg = text.strip().partition(" ")
-    if cmd.startswith("/"):
+class Chat:
+    """What `edgekv chat` does with each line: a slash command or a message to answer."""
+
+    def __init__(self, llm, sess, *, stop=(), style: Style | None = None):
+        self.llm, self.sess = llm, sess
+        self.stop = tuple(stop)
+        self.style = style or Style(False)
+
+    def step(self, text: str) -> bool:
+        """Handle one line; False to exit."""
+        cmd, _, arg = text.strip().partition(" ")
+        if not cmd.startswith("/"):
+            if text.strip():
+                self.reply(lambda **kw: self.sess.send(text, **kw))
+            return True
         arg = arg.strip()
         if cmd in ("/exit", "/quit"):
-            return None
-        elif cmd == "/help":
-            print(HELP)
-        elif cmd == "/reset":
-            sess.reset()
-            print("(conversation reset)")
-        elif cmd == "/system":
-            sess.reset(system=arg or None)
-            print("(system prompt set; conversation reset)")
-        elif cmd == "/stats":
-            st = sess.stats
-            print(f"prefill {st.prefill_tokens} of {st.prompt_tokens} prompt tokens ({st.prefill_tps:.1f} tok/s), "
-                  f"decode {st.generated_tokens} tokens ({st.decode_tps:.1f} tok/s); " + _kv_line(sess))
-        elif cmd == "/kv":
-            print(_kv_line(sess))
-        elif cmd in ("/save", "/load") and not arg:
-            print(f"usage: {cmd} FILE")
-        elif cmd == "/save":
-            try:
-                sess.save(arg)
-                print(f"(saved to {arg})")
-            except EdgekvError as e:
-                print(f"error: {e}")
-        elif cmd == "/load":
-            try:  # the current session stays unless the file loads completely
-                sess = ChatSession.load(arg, llm)
-                print(f"(loaded {arg}: {len(sess.history)} messages, {sess.n_cached} tokens cached)")
-            except EdgekvError as e:
-                print(f"error: {e}")
-        else:
+            return False
+        handler = self.COMMANDS.get(cmd)
+        if handler is None:
             print(f"unknown command {cmd}; /help lists them")
-        return sess
-    if not text.strip():
-        return sess
-    try:
-        for e in sess.send(text, stream=True):
-            print(printable(e.text), end="", flush=True)
-        print(flush=True)
-    except EdgekvError as e:
-        print(f"\nerror: {e}", flush=True)
-    return sess
+            return True
+        try:
+            handler(self, arg)
+        except EdgekvError as e:
+            print(f"error: {e}")
+        return True
 
+    def reply(self, answer) -> None:
+        """Stream the reply that answer(stream=True, stop=...) produces, marking a cut one."""
+        reason, started = None, False
+        try:
+            for e in answer(stream=True, stop=self.stop):
+                print(printable(e.text), end="", flush=True)
+                reason, started = e.finish_reason or reason, True
+            print(cut_note(self.sess.max_tokens, self.style) if reason == "length" else "", flush=True)
+        except EdgekvError as e:
+            print(f"\nerror: {e}" if started else f"error: {e}", flush=True)
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    def _help(self, arg):
+        print(HELP)
+
+    def _reset(self, arg):
+        self.sess.reset()
+        print("(conversation reset)")
+
+    def _regen(self, arg):
+        self.reply(self.sess.regenerate)
+
+    def _undo(self, arg):
+        self.sess.undo()
+        print(f"(last exchange dropped; {len(self.sess.history)} messages left)")
+
+    def _system(self, arg):
+        if not arg:
+            current = self.sess.system
+            print(f"(system prompt: {printable(current)})" if current else "(no system prompt; /system TEXT sets one)")
+        elif arg == "--clear":
+            self.sess.reset(system=None)
+            print("(system prompt removed; conversation reset)")
+        else:
+            self.sess.reset(system=arg)
+            print("(system prompt set; conversation reset)")
+
+    def _stats(self, arg):
+        st = self.sess.stats
+        print(f"prefill {st.prefill_tokens} of {st.prompt_tokens} prompt tokens ({st.prefill_tps:.1f} tok/s), "
+              f"decode {st.generated_tokens} tokens ({st.decode_tps:.1f} tok/s); " + _kv_line(self.sess))
+
+    def _kv(self, arg):
+        print(_kv_line(self.sess))
+
+    def _save(self, arg):
+        if not arg:
+            print("usage: /save FILE")
+            return
+        self.sess.save(arg)
+        print(f"(saved to {arg})")
+
+    def _load(self, arg):
+        if not arg:
+            print("usage: /load FILE")
+            return
+        from .session import ChatSession
+
+        self.sess = ChatSession.load(arg, self.llm)  # the current one stays unless the file loads completely
+        print(f"(loaded {arg}: {len(self.sess.history)} messages, {self.sess.n_cached} tokens cached)")
+
+    COMMANDS = {"/help": _help, "/reset": _reset, "/regen": _regen, "/undo": _undo, "/system": _system,
+                "/stats": _stats, "/kv": _kv, "/save": _save, "/load": _load}
 
 
 def cmd_bench(args) -> int:
@@ -263,10 +360,8 @@ def cmd_bench(args) -> int:
     if args.plot:
         plot_backend()
     path = resolve(args.model, progress=not args.quiet)
-    result = run_bench(path, prompt=_ints(args.p), gen=_ints(args.n), depths=_ints(args.d), kvs=args.kv.split(","),
-                       threads=[None if t.strip() == "auto" else int(t) for t in args.t.split(",")] if args.t
-                       else [None], reps=args.r,
-                       compare=args.compare == "llama.cpp", progress=not args.quiet,
+    result = run_bench(path, prompt=args.p, gen=args.n, depths=args.d, kvs=args.kv, threads=args.t or [None],
+                       reps=args.r, compare=args.compare == "llama.cpp", progress=not args.quiet,
                        background_load=args.background_load)
     print(format_table(result, args.o))
     if args.plot:
@@ -276,18 +371,14 @@ def cmd_bench(args) -> int:
 
 def cmd_perplexity(args) -> int:
     import json
-    from pathlib import Path
 
     from .llm import load
     from .perplexity import perplexity
 
+    text = read_text_file(args.file)  # before the load: a wrong name fails at once
     llm = load(args.model, n_ctx=args.ctx, threads=args.threads, progress=not args.quiet)
-    try:
-        text = Path(args.file).read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise EdgekvError(f"cannot read {args.file}: {e.strerror}") from None
     ids = llm.tokenize(text, special=False)
-    kinds = args.kv.split(",")
+    kinds = list(args.kv)
     if args.kl_base and args.kl_base not in kinds:
         kinds.insert(0, args.kl_base)
     res = perplexity(llm, ids, n_ctx=args.ctx, kinds=kinds, kl_base=args.kl_base, progress=not args.quiet)
@@ -296,103 +387,204 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_synth(args) -> int:
+    from pathlib import Path
+
     from .synth import write_synthetic
 
-    print(write_synthetic(args.out, arch=args.arch, size=args.size, qtype=args.type, seed=args.seed,
-                          progress=not args.quiet))
+    if Path(args.out).is_dir():
+        raise EdgekvError(f"{args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model.gguf'}")
+    try:
+        path = write_synthetic(args.out, arch=args.arch, size=args.size, qtype=args.type, seed=args.seed,
+                               progress=not args.quiet)
+    except OSError as e:
+        raise EdgekvError(f"cannot write {args.out}: {e.strerror or e}") from None
+    print(path)
     return 0
 
 
+# --- arguments: a bad value is argparse's one-line error before anything loads ---------------
+
+def int_range(lo: int, hi: int | None = None, hi_text: str | None = None):
+    """An argparse type: an int in [lo, hi] (hi_text: how the message writes hi)."""
+    want = f">= {lo}" if hi is None else f"in [{lo}, {hi_text or hi}]"
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {v}")
+        return v
+
+    return parse
+
+
+positive_int = int_range(1)
+nonnegative_int = int_range(0)
+
+
+def thread_count(text: str) -> int | None:
+    """An argparse type: a thread count, or auto (None: chosen by the load)."""
+    return None if text == "auto" else positive_int(text)
+
+context_size = int_range(8)  # the ring keeps 4 sinks; fewer than 8 tokens is no context
+
+
+def real_range(lo: float, hi: float = math.inf, *, lo_open: bool = False):
+    """An argparse type: a finite float in [lo, hi] ((lo, hi] with lo_open)."""
+    want = f"{'(' if lo_open else '['}{lo}, {hi}{']' if hi < math.inf else ')'}"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+            raise argparse.ArgumentTypeError(f"must be in {want}, got {text}")
+        return v
+
+    return parse
+
+
+def comma_list(item):
+    """An argparse type: comma-separated values, each parsed by `item`; at least one."""
+
+    def parse(text: str) -> list:
+        values = [item(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError("needs at least one value")
+        return values
+
+    return parse
+
+
+def kv_kind(text: str) -> str:
+    """An argparse type: one of the KV cache types."""
+    if text not in KV_KINDS:
+        raise argparse.ArgumentTypeError(f"unknown KV cache type {text!r} (choose {', '.join(KV_KINDS)})")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (the usage it would print first is what --help is for)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with every default, except the ones that are no value (None, off)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_load_args(s) -> None:
+    s.add_argument("--ctx", type=context_size, default=4096,
+                   help="KV cache capacity in tokens (a ring: longer text keeps the first 4 and the most recent)")
+    s.add_argument("--kv", type=kv_kind, default="int8", metavar="|".join(KV_KINDS), help="KV cache type")
+    s.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads, used as given (default: at most the physical cores, fewer while other programs keep cores busy)")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="auto: cuda when a GPU is usable")
+    s.add_argument("--gpu-layers", type=nonnegative_int, default=None, metavar="N",
+                   help="with cuda: only the first N blocks on the GPU (default: all)")
+
+
+def _add_sampling_args(s, temp: float, why: str) -> None:
+    s.add_argument("--temp", type=real_range(0.0), default=temp, help=f"temperature (0 = greedy; {why})")
+    s.add_argument("--top-k", type=nonnegative_int, default=40, metavar="K", help="keep the K likeliest tokens (0 = off)")
+    s.add_argument("--top-p", type=real_range(0.0, 1.0, lo_open=True), default=0.95, metavar="P",
+                   help="keep the likeliest tokens whose probabilities sum to P (1 = off)")
+    s.add_argument("--min-p", type=real_range(0.0, 1.0), default=0.05, metavar="P",
+                   help="drop tokens under P times the likeliest one's probability (0 = off)")
+    s.add_argument("--repeat-penalty", type=real_range(0.0, lo_open=True), default=1.0, metavar="X",
+                   help="penalty on tokens already seen (1 = off)")
+    s.add_argument("--stop", action="append", metavar="TEXT", help="stop at TEXT (repeatable)")
+    s.add_argument("--seed", type=int_range(0, 2**128 - 1, "2**128 - 1"), default=None, help="same seed, same text (default: random)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="edgekv", description="Quantized GGUF LLM inference with an INT8/INT4 ring-buffer KV cache.")
+    p = _Parser(prog="edgekv", description="Quantized GGUF LLM inference with an INT8/INT4 ring-buffer KV cache.")
     p.add_argument("--version", action="version", version=f"edgekv {__version__}")
     sub = p.add_subparsers(dest="verb", metavar="COMMAND")
 
-    s = sub.add_parser("pull", help="download a known model into the cache")
-    s.add_argument("models", nargs="+", metavar="MODEL")
+    def verb(name, func, help):
+        s = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+        s.set_defaults(func=func)
+        return s
+
+    quiet = dict(action="store_true", help="no progress bars")
+    s = verb("pull", cmd_pull, "download a known model into the cache")
+    s.add_argument("models", nargs="+", metavar="MODEL", help="known model names (edgekv list)")
     s.add_argument("--force", action="store_true", help="fetch again even if cached")
-    s.add_argument("-q", "--quiet", action="store_true")
-    s.set_defaults(func=cmd_pull)
+    s.add_argument("-q", "--quiet", **quiet)
 
-    s = sub.add_parser("list", help="known and cached models")
-    s.set_defaults(func=cmd_list)
+    verb("list", cmd_list, "known and cached models")
 
-    s = sub.add_parser("info", help="what is in a model file")
+    s = verb("info", cmd_info, "what is in a model file")
     s.add_argument("model", metavar="MODEL", help="known name or .gguf path")
-    s.add_argument("--ctx", type=int, default=4096, help="context size for the KV-cache figures")
-    s.add_argument("-q", "--quiet", action="store_true")
-    s.set_defaults(func=cmd_info)
+    s.add_argument("--ctx", type=context_size, default=4096, help="context size for the KV-cache figures")
+    s.add_argument("-q", "--quiet", **quiet)
 
-    s = sub.add_parser("run", help="one-shot completion, streamed to stdout")
-    s.add_argument("model", metavar="MODEL")
-    s.add_argument("prompt", metavar="PROMPT", help="text, or - to read stdin")
-    s.add_argument("-n", "--max-tokens", type=int, default=128)
+    s = verb("run", cmd_run, "one-shot completion, streamed to stdout")
+    s.add_argument("model", metavar="MODEL", help="known name or .gguf path")
+    s.add_argument("prompt", nargs="?", default=None, metavar="PROMPT", help="text, or - to read stdin (or -f FILE)")
+    s.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from FILE")
+    s.add_argument("-n", "--max-tokens", type=nonnegative_int, default=128, metavar="N",
+                   help="tokens to generate (chat's default is 512: a reply, not a continuation)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--system", default=None, metavar="TEXT", help="system prompt (implies --chat)")
     s.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, timings)")
-    s.add_argument("--stop", action="append", help="stop string (repeatable)")
-    s.add_argument("--ctx", type=int, default=4096)
-    s.add_argument("--kv", default="int8", help="KV cache type: f16, int8 or int4")
-    s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda when a GPU is usable)")
-    s.add_argument("--gpu-layers", type=int, default=None, metavar="N", help="with cuda: only the first N blocks on the GPU")
-    s.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    s.add_argument("--top-k", type=int, default=40)
-    s.add_argument("--top-p", type=float, default=0.95)
-    s.add_argument("--min-p", type=float, default=0.05)
-    s.add_argument("--repeat-penalty", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("-q", "--quiet", action="store_true")
-    s.set_defaults(func=cmd_run)
+    _add_load_args(s)
+    _add_sampling_args(s, 0.0, "greedy by default, the same text every run; chat's is 0.7")
+    s.add_argument("-q", "--quiet", **quiet)
 
-    s = sub.add_parser("chat", help="interactive chat in the terminal")
+    s = verb("chat", cmd_chat, "interactive chat in the terminal (/help inside lists its commands)")
     s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="known name or .gguf path (default: smollm2-135m-instruct)")
-    s.add_argument("--kv", default="int8", help="KV cache type: f16, int8 or int4")
-    s.add_argument("--ctx", type=int, default=4096, help="KV cache capacity in tokens")
-    s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda when a GPU is usable)")
-    s.add_argument("--gpu-layers", type=int, default=None, metavar="N", help="with cuda: only the first N blocks on the GPU")
-    s.add_argument("--temp", type=float, default=0.7, help="sampling temperature (0 = greedy)")
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--system", default=None, help="system prompt")
-    s.add_argument("-n", "--max-tokens", type=int, default=512, help="longest reply")
-    s.set_defaults(func=cmd_chat)
+    s.add_argument("-n", "--max-tokens", type=positive_int, default=512, metavar="N",
+                   help="longest reply in tokens; a longer one is cut and marked (run's default is 128)")
+    s.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
+    s.add_argument("-f", "--file", default=None, metavar="FILE", help="send the text of FILE as the first message")
+    _add_load_args(s)
+    _add_sampling_args(s, 0.7, "sampled by default, for varied replies; run's is 0")
 
-    s = sub.add_parser("bench", help="speed tests like llama-bench, optionally beside llama.cpp")
-    s.add_argument("model", metavar="MODEL")
-    s.add_argument("-p", default="512", help="prompt lengths to prefill, comma-separated (0 = none)")
-    s.add_argument("-n", default="128", help="tokens to generate, comma-separated (0 = none)")
-    s.add_argument("-d", default="0", help="context depths already filled, comma-separated")
-    s.add_argument("-r", type=int, default=3, help="repetitions")
-    s.add_argument("-t", default="", help="thread counts, comma-separated; auto (the default): edgekv picks at most "
-                   "the physical cores by the load, as run/chat do, and llama.cpp gets the physical cores")
-    s.add_argument("--background-load", type=int, default=0, metavar="N",
+    s = verb("bench", cmd_bench, "speed tests like llama-bench, optionally beside llama.cpp")
+    s.add_argument("model", metavar="MODEL", help="known name or .gguf path")
+    s.add_argument("-p", type=comma_list(nonnegative_int), default="512", help="prompt lengths to prefill, comma-separated (0 = none)")
+    s.add_argument("-n", type=comma_list(nonnegative_int), default="128", help="tokens to generate, comma-separated (0 = none)")
+    s.add_argument("-d", type=comma_list(nonnegative_int), default="0", help="context depths already filled, comma-separated")
+    s.add_argument("-r", type=positive_int, default=3, help="repetitions (after one warm-up run)")
+    s.add_argument("-t", type=comma_list(thread_count), default=None,
+                   help="thread counts, comma-separated; auto (the default): edgekv picks at most the physical cores "
+                   "by the load, as run and chat do, and llama.cpp gets the physical cores")
+    s.add_argument("--background-load", type=nonnegative_int, default=0, metavar="N",
                    help="also run every test beside N busy processes, quiet and loaded side by side")
-    s.add_argument("--kv", default="f16", help="cache types, comma-separated")
-    s.add_argument("-o", default="md", choices=["md", "json", "csv"])
-    s.add_argument("--compare", choices=["llama.cpp"], default=None)
-    s.add_argument("--plot", default=None, metavar="FILE.png")
-    s.add_argument("-q", "--quiet", action="store_true")
-    s.set_defaults(func=cmd_bench)
+    s.add_argument("--kv", type=comma_list(kv_kind), default="f16",
+                   help="cache types, comma-separated; f16 as llama-bench, where run and chat default to int8")
+    s.add_argument("-o", default="md", choices=["md", "json", "csv"], help="output format")
+    s.add_argument("--compare", choices=["llama.cpp"], default=None, help="run llama.cpp too, interleaved")
+    s.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode speed against depth")
+    s.add_argument("-q", "--quiet", **quiet)
 
-    s = sub.add_parser("perplexity", help="perplexity of a text file, and KL of a cache type vs f16")
-    s.add_argument("model", metavar="MODEL")
-    s.add_argument("file", metavar="FILE")
-    s.add_argument("--ctx", type=int, default=512, help="window size")
-    s.add_argument("--kv", default="f16", help="cache types, comma-separated")
-    s.add_argument("--kl-base", default=None, help="cache type the others are compared against (e.g. f16)")
-    s.add_argument("--threads", type=int, default=None)
-    s.add_argument("-q", "--quiet", action="store_true")
-    s.set_defaults(func=cmd_perplexity)
+    s = verb("perplexity", cmd_perplexity, "perplexity of a text file, and KL of a cache type vs f16")
+    s.add_argument("model", metavar="MODEL", help="known name or .gguf path")
+    s.add_argument("file", metavar="FILE", help="UTF-8 text")
+    s.add_argument("--ctx", type=context_size, default=512, help="window size")
+    s.add_argument("--kv", type=comma_list(kv_kind), default="f16", help="cache types, comma-separated")
+    s.add_argument("--kl-base", type=kv_kind, default=None, help="cache type the others are compared against (e.g. f16)")
+    s.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads, used as given (default: at most the physical cores, fewer while other programs keep cores busy)")
+    s.add_argument("-q", "--quiet", **quiet)
 
-    s = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random weights (for benchmarks)")
-    s.add_argument("out", metavar="OUT.gguf")
-    s.add_argument("--arch", default="llama", choices=["llama", "gemma3", "qwen3", "granite"])
+    s = verb("synth", cmd_synth, "write a synthetic GGUF with real shapes and random weights (for benchmarks)")
+    s.add_argument("out", metavar="OUT.gguf", help="file to write")
+    s.add_argument("--arch", default="llama", choices=["llama", "gemma3", "qwen3", "granite"], help="architecture")
     s.add_argument("--size", default="7b", help="llama: tiny, 1b, 7b, 13b, 8b (Llama-3.1), 12b (Mistral-Nemo); "
                    "gemma3: tiny, 270m, 1b; qwen3: tiny, 8b; granite: tiny, 8b")
     s.add_argument("--type", default="q4_0", help="q4_0, q5_0, q8_0, q4_k, q6_k, f16, f32")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("-q", "--quiet", action="store_true")
-    s.set_defaults(func=cmd_synth)
+    s.add_argument("--seed", type=int_range(0, 2**64 - 1, "2**64 - 1"), default=0, help="same seed, same bytes")
+    s.add_argument("-q", "--quiet", **quiet)
     return p
 
 
@@ -409,6 +601,14 @@ def _quiet_llvmlite_cleanup(hook):
     return quiet
 
 
+def _end_progress_bars() -> None:
+    """Close the bars an error left open, so its line starts on a line of its own."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     if not getattr(sys.unraisablehook, "edgekv", False):
         sys.unraisablehook = _quiet_llvmlite_cleanup(sys.unraisablehook)
@@ -419,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except EdgekvError as e:
+        _end_progress_bars()
         print(f"edgekv: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

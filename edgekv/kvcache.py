@@ -4,6 +4,9 @@ Ring. A layer's ring holds `capacity` tokens. Until it is full, token i goes to 
 full, the first `n_sink` slots keep the first tokens (attention sinks) and the oldest of the
 rest is overwritten, so a chat can run forever in bounded memory. Each slot remembers its
 token's position (-1 = empty); attention masks by position, so slot order never matters.
+Slots from `fill` (min(tokens written, capacity)) on are empty whatever they hold, and nothing
+reads them: every array of a ring is np.zeros, pages the OS backs only as the ring fills, so
+an empty cache of a huge n_ctx costs no memory yet (`cache_bytes` is what it will cost).
 Sliding-window layers (gemma3) get a ring of exactly their window and no sinks.
 
 Positions (StreamingLLM). Keys are stored after RoPE at their absolute positions. RoPE scores
@@ -46,6 +49,7 @@ This module is the numpy reference of that layout; kernels_cpu/kvquant.py is the
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +61,8 @@ KV_KINDS = ("f16", "int8", "int4")
 # Bytes per cached value, scales included.
 KV_BYTES_PER_VALUE = {"f16": 2.0, "int8": (GROUP + 2) / GROUP, "int4": (GROUP // 2 + 2) / GROUP}
 QMAX = {"int8": 127, "int4": 7}
+# Every array of a layer's cache (LayerKV's fields), as sessions save them.
+LAYER_ARRAYS = ("k", "v", "k_scale", "v_scale", "pos", "rk", "rv", "rpos", "mu", "kmul")
 RECENT = 32  # tokens per layer kept exact (f16) beside an int ring (KIVI's residual)
 FIRST = 4  # and the first tokens (the attention sinks: the keys most attended to)
 
@@ -71,6 +77,14 @@ def recent_bytes(kind: str, n_layer: int, n_head_kv: int, head_dim: int) -> int:
     """Fixed bytes of the exact slots of an int cache: FIRST + RECENT f16 tokens (K and V)
     per layer, whatever the capacity (default sinks; less for a ring too small to hold them)."""
     return 0 if kind == "f16" else n_layer * (FIRST + RECENT) * 2 * n_head_kv * head_dim * 2
+
+
+def cache_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) -> int:
+    """Bytes a cache of these rings holds once full: the rings, the exact slots and one int64
+    position per slot. An empty cache costs almost none of it (the arrays are np.zeros, backed
+    by the OS as the ring fills), but a chat that fills the ring touches all of it."""
+    return (kv_bytes(kind, capacities, n_head_kv, head_dim) + 8 * sum(capacities)
+            + recent_bytes(kind, len(capacities), n_head_kv, head_dim))
 
 
 # -- the numpy reference of the stored layout ----------------------------------------------
@@ -144,7 +158,7 @@ def dequantize(kind: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
         lo = (q & 0x0F).astype(np.int8) - 8
         hi = (q >> 4).astype(np.int8) - 8
         q = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
-    g = q.reshape(*q.shape[:-1], -1, GROUP).astype(np.float32)
+    g = q.reshape(*q.shape[:-1], q.shape[-1] // GROUP, GROUP).astype(np.float32)  # no -1: q may be empty
     return (g * scale.astype(np.float32)[..., None]).reshape(q.shape)
 
 
@@ -158,7 +172,7 @@ class LayerKV:
     v: np.ndarray  # same layout as k (values are not rotated)
     k_scale: np.ndarray  # f16 (cap, Hkv, hd/32); (1, 1, 1) unused for f16
     v_scale: np.ndarray
-    pos: np.ndarray  # (cap,) int64, -1 = empty slot
+    pos: np.ndarray  # (cap,) int64, -1 = empty slot; slots from `fill` on are empty whatever they hold
     n_sink: int  # slots 0..n_sink-1 keep the first tokens forever
     window: int  # the model's sliding window for this layer (0 = global)
     n_written: int = 0  # tokens ever written (the ring's write cursor)
@@ -225,6 +239,18 @@ class LayerKV:
     @property
     def capacity(self) -> int:
         return self.pos.shape[0]
+
+    @property
+    def fill(self) -> int:
+        """Slots in use: a ring fills from slot 0, so slots fill.. are empty (never read)."""
+        return min(self.n_written, self.capacity)
+
+    @property
+    def live(self) -> np.ndarray:
+        """(cap,) bool: the slots that hold a token."""
+        live = np.zeros(self.capacity, bool)
+        live[: self.fill] = self.pos[: self.fill] >= 0
+        return live
 
     @property
     def rotated(self) -> bool:
@@ -303,13 +329,15 @@ class LayerKV:
         self.n_written += len(pos)
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
-        """Reference read of the whole ring: (k, v) float32 (cap, Hkv, hd); keys in stored space."""
+        """Reference read of the filled slots: (k, v) float32 (fill, Hkv, hd); keys in stored space."""
+        m = self.fill
         if self.kind == "f16":
-            return self.k.astype(np.float32), self.v.astype(np.float32)
-        return dequantize(self.kind, self.k, self.k_scale), dequantize(self.kind, self.v, self.v_scale)
+            return self.k[:m].astype(np.float32), self.v[:m].astype(np.float32)
+        return (dequantize(self.kind, self.k[:m], self.k_scale[:m]),
+                dequantize(self.kind, self.v[:m], self.v_scale[:m]))
 
     def reset(self) -> None:
-        self.pos[:] = -1
+        self.pos[: self.fill] = -1
         self.rpos[:] = -1
         self.n_written = 0
 
@@ -318,10 +346,44 @@ class LayerKV:
         wrapped: the tokens those overwrote are gone, so the caller must prefill again."""
         if self.n_written > self.capacity:
             return False
-        self.pos[self.pos >= n] = -1
+        live = self.pos[: self.fill]
+        live[live >= n] = -1
         self.rpos[self.rpos >= n] = -1
         self.n_written = min(self.n_written, n)
         return True
+
+    # -- save / load (edgekv.session) --------------------------------------------------
+    @property
+    def slot_arrays(self) -> tuple[str, ...]:
+        """The arrays with one row per ring slot (f16's scales are a placeholder)."""
+        return ("k", "v", "pos") + (("k_scale", "v_scale") if self.kind != "f16" else ())
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Every array of the layer (LAYER_ARRAYS) as a session saves it, in its stored dtype:
+        the per-slot ones only up to the fill (a wrapped ring whole), so a saved chat grows
+        with its tokens, not with the capacity; the exact slots, mu and kmul whole."""
+        m = self.fill
+        return {name: getattr(self, name)[:m] if name in self.slot_arrays else getattr(self, name)
+                for name in LAYER_ARRAYS}
+
+    def load_state(self, arrays: dict[str, np.ndarray], n_written: int, n_tokens: int) -> None:
+        """Take a `state` of n_written tokens of a conversation of n_tokens; ValueError (and
+        nothing changed) unless every array has this layer's shape and dtype (the per-slot ones
+        cut at the fill) and every position lies in -1 .. n_tokens - 1."""
+        if n_written < 0:
+            raise ValueError("negative n_written")
+        m = min(n_written, self.capacity)
+        for name in LAYER_ARRAYS:
+            a, want = arrays[name], getattr(self, name)
+            shape = (m,) + want.shape[1:] if name in self.slot_arrays else want.shape
+            if a.shape != shape or a.dtype != want.dtype:
+                raise ValueError(f"array {name} {a.dtype}{a.shape} does not fit this cache ({want.dtype}{shape})")
+        for name in ("pos", "rpos"):
+            if arrays[name].size and not -1 <= arrays[name].min() <= arrays[name].max() < n_tokens:
+                raise ValueError(f"{name} out of range")
+        for name in LAYER_ARRAYS:
+            getattr(self, name)[: len(arrays[name])] = arrays[name]
+        self.n_written = n_written
 
     @property
     def ring_nbytes(self) -> int:
@@ -338,28 +400,39 @@ class LayerKV:
         return self.ring_nbytes + self.recent_nbytes
 
 
+def lazy_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros whose memory the OS provides page by page as they are first written. np.zeros
+    is that only for blocks malloc maps afresh: below its mmap threshold (up to 32 MiB once
+    it adapts) calloc clears reused heap memory itself, which makes it all resident at once."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if n < mmap.PAGESIZE:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, n), dtype).reshape(shape)  # the array keeps the mapping alive
+
+
 def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: int, window: int,
               recent: int | None = None) -> LayerKV:
     if kind not in KV_KINDS:
         raise EdgekvError(f"unknown KV cache type {kind!r} (choose {', '.join(KV_KINDS)})")
     shape = (capacity, n_head_kv, head_dim)
     if kind == "f16":
-        k, v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
-        ks = vs = np.zeros((1, 1, 1), np.float16)
+        k, v = lazy_zeros(shape, np.float16), lazy_zeros(shape, np.float16)
+        ks = vs = np.zeros((1, 1, 1), np.float16)  # unused
     else:
         if head_dim % GROUP:
             raise EdgekvError(f"{kind} KV cache needs head_dim a multiple of {GROUP}, this model has {head_dim}")
         width = head_dim if kind == "int8" else head_dim // 2
         dt = np.int8 if kind == "int8" else np.uint8
-        k, v = np.zeros((capacity, n_head_kv, width), dt), np.zeros((capacity, n_head_kv, width), dt)
-        ks = np.zeros((capacity, n_head_kv, head_dim // GROUP), np.float16)
-        vs = np.zeros_like(ks)
+        k, v = lazy_zeros((capacity, n_head_kv, width), dt), lazy_zeros((capacity, n_head_kv, width), dt)
+        ks = lazy_zeros((capacity, n_head_kv, head_dim // GROUP), np.float16)
+        vs = lazy_zeros(ks.shape, ks.dtype)
     n_sink = min(n_sink, capacity)
     # f16 is exact already. At most capacity - n_sink: a sink then is only ever read exact
     # before the ring wraps, while its query needs no counter-rotation (sink_shift 0).
     recent = 0 if kind == "f16" else min(RECENT if recent is None else recent, capacity - n_sink)
     first = max(n_sink, FIRST) if recent else 0
-    return LayerKV(kind, k, v, ks, vs, np.full(capacity, -1, np.int64), n_sink, window, recent=recent, first=first)
+    pos = lazy_zeros((capacity,), np.int64)  # no -1 fill: slots from `fill` on are empty anyway
+    return LayerKV(kind, k, v, ks, vs, pos, n_sink, window, recent=recent, first=first)
 
 
 class KVCache:

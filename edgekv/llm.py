@@ -4,7 +4,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -14,7 +16,7 @@ from .backends import get_backend
 from .errors import ContextError, EdgekvError
 from .generate import Event
 from .gguf_file import GGUFFile
-from .kvcache import KV_KINDS, KVCache
+from .kvcache import KV_KINDS, KVCache, cache_bytes
 
 UBATCH = 512  # prefill chunk: bounds activation memory, and the attention working set
 _NO_STEP = contextlib.nullcontext()
@@ -35,7 +37,7 @@ class LLM:
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "int8", threads: int | None = None,
                  device: str = "cpu", n_sink: int = 4, gpu_layers: int | None = None):
         from .chat_template import ChatTemplate
-        from .models import build_model
+        from .models import build_model, model_module
         from .tokenizer import Tokenizer
 
         if n_ctx < 8:
@@ -44,6 +46,8 @@ class LLM:
             raise EdgekvError(f"unknown KV cache type {kv!r} (choose {', '.join(KV_KINDS)})")
         self.path = Path(path)
         self.file = GGUFFile(path)
+        self.n_ctx, self.kv_type, self.n_sink = n_ctx, kv, n_sink
+        check_context(self, model_module(self.file.arch).Config.from_gguf(self.file))  # before any weight moves
         self.backend = get_backend(device, threads, gpu_layers)
         self.model = build_model(self.file, self.backend)
         self.cfg = self.model.cfg
@@ -51,7 +55,6 @@ class LLM:
         tok = self.tokenizer
         self.template = ChatTemplate.from_metadata(self.file.meta, self.file.meta.get("tokenizer.ggml.tokens", []),
                                                    tok.bos_id, tok.eos_id)
-        self.n_ctx, self.kv_type, self.n_sink = n_ctx, kv, n_sink
         self.stats = None  # generate.Stats of the last call
         # What a saved session must match: the file's header (metadata + tensor table) and size.
         header = hashlib.sha256(memoryview(self.file._mmap)[: self.file.data_offset]).hexdigest()
@@ -62,9 +65,8 @@ class LLM:
         """An empty KV cache for this model: `kind` (default: the LLM's kv type), a ring of
         n_ctx tokens per global layer and of the window (at most n_ctx) per sliding-window one."""
         windows = self.cfg.windows()
-        caps = [min(w, self.n_ctx) if w else self.n_ctx for w in windows]
-        return KVCache(caps, self.cfg.n_head_kv, self.cfg.head_dim, n_sink=self.n_sink if n_sink is None else n_sink,
-                       windows=windows, kind=kind or self.kv_type)
+        return KVCache(capacities(windows, self.n_ctx), self.cfg.n_head_kv, self.cfg.head_dim,
+                       n_sink=self.n_sink if n_sink is None else n_sink, windows=windows, kind=kind or self.kv_type)
 
     def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
         """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""
@@ -192,6 +194,88 @@ class LLM:
     def complete(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, **kw) -> str:
         """The whole continuation of `prompt` as one string (greedy by default)."""
         return "".join(e.text for e in self.generate(prompt, max_tokens=max_tokens, temperature=temperature, **kw))
+
+
+def capacities(windows: list[int], n_ctx: int) -> list[int]:
+    """Ring sizes per layer: n_ctx for a global layer, the window (at most n_ctx) for a sliding one."""
+    return [min(w, n_ctx) if w else n_ctx for w in windows]
+
+
+def check_context(llm: LLM, cfg) -> None:
+    """Refuse an n_ctx whose cache, once full, would not fit in the memory available (one
+    ContextError line, before anything is allocated), and warn past the trained context."""
+    need = cache_bytes(llm.kv_type, capacities(cfg.windows(), llm.n_ctx), cfg.n_head_kv, cfg.head_dim)
+    avail = available_memory()
+    if avail is not None and need > avail[0]:
+        raise ContextError(f"n_ctx={llm.n_ctx} needs {_size(need)} of {llm.kv_type} KV cache, more than the "
+                           f"{_size(avail[0])} of memory available ({avail[1]}); lower n_ctx (--ctx)"
+                           + (" or use kv int4" if llm.kv_type != "int4" else ""))
+    if llm.n_ctx > cfg.n_ctx_train:
+        warnings.warn(f"n_ctx={llm.n_ctx} is past the {cfg.n_ctx_train} tokens {llm.path.name} was trained on: "
+                      "attention that reaches further back than that may give worse text", stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel of the first caller outside edgekv (the line a warning names)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "edgekv":
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def available_memory() -> tuple[int, str] | None:
+    """(bytes this process can still allocate, where the figure comes from): the least of
+    Linux's MemAvailable (sysconf's free physical pages elsewhere), the cgroup's memory limit
+    less its usage, and RLIMIT_AS less the address space in use. None when nothing is known."""
+    found = []
+    meminfo = _read_int("/proc/meminfo", "MemAvailable:")
+    if meminfo is not None:
+        found.append((meminfo * 1024, "MemAvailable"))
+    else:
+        for name, what in (("SC_AVPHYS_PAGES", "free physical memory"), ("SC_PHYS_PAGES", "physical memory")):
+            try:
+                found.append((os.sysconf(name) * os.sysconf("SC_PAGE_SIZE"), what))
+                break
+            except (AttributeError, ValueError, OSError):
+                pass
+    try:  # cgroup v2: this process's group ("0::/path"); in a container usually the root
+        with open("/proc/self/cgroup") as f:
+            group = next((line[3:].strip() for line in f if line.startswith("0::")), "")
+    except OSError:
+        group = ""
+    for d, limit, used in ((f"/sys/fs/cgroup{group.rstrip('/')}", "memory.max", "memory.current"),
+                           ("/sys/fs/cgroup", "memory.max", "memory.current"),
+                           ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")):  # v1
+        lim, cur = _read_int(f"{d}/{limit}"), _read_int(f"{d}/{used}")
+        if lim is not None and cur is not None:
+            found.append((max(lim - cur, 0), f"cgroup {limit}"))
+            break
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            vm = _read_int("/proc/self/status", "VmSize:")
+            found.append((max(soft - (vm or 0) * 1024, 0), "RLIMIT_AS"))
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def _read_int(path: str, key: str | None = None) -> int | None:
+    """The integer in a /proc or /sys file (after `key` on its line), None if absent ("max" too)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if key is None or line.startswith(key):
+                    return int(line.split()[1 if key else 0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**30:.1f} GiB)" if n >= 2**30 else f"{n:,} bytes ({n / 2**20:.1f} MiB)"
 
 
 def load(model: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "int8", threads: int | None = None,

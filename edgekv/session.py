@@ -16,6 +16,7 @@ import numpy as np
 
 from .errors import EdgekvError, SessionFileError
 from .generate import Event, Sequence, Stats, generate
+from .kvcache import LAYER_ARRAYS
 from .sampling import Sampler, SamplingParams
 
 
@@ -106,6 +107,19 @@ class ChatSession:
         last = self.history.pop()["content"]
         return self.send(last, **kw)
 
+    def undo(self) -> None:
+        """Drop the last user message and its reply; the cache rolls back to the conversation
+        before them (or is emptied when the ring has already dropped what that needs)."""
+        with self._lock:
+            if len(self.history) < 2 or self.history[-1]["role"] != "assistant":
+                raise EdgekvError("nothing to undo")
+            del self.history[-2:]
+            self._cached_text = None
+            if self.messages():  # keep the prefix the rest of the conversation still renders to
+                self.seq.reuse(self.llm.chat_ids(self.llm.template.render(self.messages(), add_generation_prompt=True)))
+            else:
+                self.seq.reset()
+
     def reset(self, system: str | None = ...) -> None:
         """Forget the conversation (and optionally set a new system prompt)."""
         if system is not ...:
@@ -121,10 +135,11 @@ class ChatSession:
 
     # -- save / load -----------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
-        """Write the session (messages, tokens, cache contents in their stored dtype, sampler
-        state, model identity) to one file, atomically: a crash mid-save keeps the old file."""
+        """Write the session (messages, tokens, the cache's filled slots in their stored dtype,
+        sampler state, model identity) to one file, atomically: a crash mid-save keeps the old file."""
         with self._lock:
-            params = dataclasses.asdict(self.params)
+            # not dataclasses.asdict: it deep-copies logit_bias, a MappingProxyType, which cannot be copied
+            params = {f.name: getattr(self.params, f.name) for f in dataclasses.fields(self.params)}
             params["logit_bias"] = sorted((int(k), float(v)) for k, v in (self.params.logit_bias or {}).items())
             header = dict(
                 format=SESSION_FORMAT, version=SESSION_VERSION, model=self.llm.identity, kv=self.llm.kv_type,
@@ -137,7 +152,7 @@ class ChatSession:
                 sync(self.seq.cache)
             arrays = {}
             for i, lk in enumerate(self.seq.cache.layers):
-                arrays.update({f"{name}{i}": getattr(lk, name) for name in LAYER_ARRAYS})
+                arrays.update({f"{name}{i}": a for name, a in lk.state().items()})
             body = io.BytesIO()
             np.savez(body, **arrays)
             blob = json.dumps(header).encode()
@@ -182,8 +197,10 @@ class ChatSession:
             raise SessionFileError(f"{path.name} is corrupt ({type(e).__name__})") from None
         if not isinstance(h, dict) or h.get("format") != SESSION_FORMAT:
             raise SessionFileError(f"{path.name} is not an edgekv session file")
-        if h.get("version") != SESSION_VERSION:
-            raise SessionFileError(f"{path.name} is session format version {h.get('version')}, this edgekv reads {SESSION_VERSION}")
+        version = h.get("version")
+        if version not in SESSION_READS:
+            raise SessionFileError(f"{path.name} is session format version {version}, this edgekv reads versions "
+                                   f"{', '.join(map(str, SESSION_READS))}")
         if h.get("model") != llm.identity:
             raise SessionFileError(f"{path.name} was saved with another model ({h.get('model', {}).get('name')})")
         if h.get("kv") != llm.kv_type or h.get("n_ctx") != llm.n_ctx:
@@ -202,17 +219,14 @@ class ChatSession:
             if len(h["layers"]) != len(layers):
                 raise ValueError("layer count")
             for i, (lk, meta) in enumerate(zip(layers, h["layers"])):
+                n_written = int(meta["n_written"])
                 got = {name: arrays[f"{name}{i}"] for name in LAYER_ARRAYS}
-                for name, a in got.items():
-                    want = getattr(lk, name)
-                    if a.shape != want.shape or a.dtype != want.dtype:
-                        raise ValueError(f"layer {i} array {name} does not fit this cache")
-                if max(got["pos"].max(initial=-1), got["rpos"].max(initial=-1)) >= len(tokens) \
-                        or int(meta["n_written"]) < 0:
-                    raise ValueError(f"layer {i} positions")
-                for name, a in got.items():
-                    getattr(lk, name)[...] = a
-                lk.n_written = int(meta["n_written"])
+                if version == 2:  # every slot, filled or not
+                    got.update({name: got[name][: min(max(n_written, 0), lk.capacity)] for name in lk.slot_arrays})
+                try:
+                    lk.load_state(got, n_written, len(tokens))
+                except ValueError as e:
+                    raise ValueError(f"layer {i}: {e}") from None
             sess.seq.tokens = tokens
             cached = h.get("cached_text")
             sess._cached_text = cached if isinstance(cached, str) else None
@@ -225,6 +239,7 @@ class ChatSession:
 
 SESSION_MAGIC = b"EDGEKVS\x00"
 SESSION_FORMAT = "edgekv-session"
-SESSION_VERSION = 2  # 2: int scales, exact recent slots, key offset and channel weights saved too
-# Every array of a layer's cache, in its stored dtype (LayerKV's fields).
-LAYER_ARRAYS = ("k", "v", "k_scale", "v_scale", "pos", "rk", "rv", "rpos", "mu", "kmul")
+# 2: int scales, exact recent slots, key offset and channel weights saved too
+# 3: the per-slot arrays only up to the ring's fill (LayerKV.state)
+SESSION_VERSION = 3
+SESSION_READS = (2, 3)

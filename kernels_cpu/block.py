@@ -69,6 +69,8 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     k[0] = qkv3[0, H : H + Hkv]
     v[0] = qkv3[0, H + Hkv :]
     a = np.empty((1, H, hd), np.float32)
+    # numba's disk cache tracks this file only: edit it whenever _decode_core changes, or a stale
+    # compiled copy of the old one stays in use (it read every ring slot; it reads the filled ones now)
     _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a)
     if res_scale != 1:
         a *= res_scale

@@ -994,7 +994,9 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out):
         fpos[0] = p
     fresh_all = m < 0  # False: the token is in the ring already
     v_rotated = m < 0  # False: values are stored as they are
-    _attn_core(kind, qo, qs, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, span, perm, v_rotated, B,
+    # the filled slots only (LayerKV.fill): slots past them are empty and hold no -1s
+    _attn_core(kind, qo, qs, q_pos, K, V, pos[: min(n_written + 1, cap)], n_sink, fk, fv, fpos, scale, span, perm,
+               v_rotated, B,
                (rk, rv, rpos, recent, e0, fresh_all, sb, first), q.shape[0], par[0], par[1], par[2], out)
     if m:  # LayerKV.write_recent
         row = p if p < first else first + p % recent

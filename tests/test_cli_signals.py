@@ -89,7 +89,7 @@ def test_ctrl_c_during_prefill_and_decode_keeps_the_chat():
     t.read_until("/help for commands")
     t.read_until("> ")
     # ~1500 tokens, typed as continued lines (a terminal line holds at most 4095 characters).
-    lines = [" ".join(f"fact {i}.{j} is {i * j % 17}." for j in range(8)) for i in range(60)]
+    lines = [" ".join(f"fact {i}.{j} is {i * j % 17}." for j in range(8)) for i in range(20)]
     for line in lines[:-1]:
         t.send(line + "\\\r")
         t.read_until("... ")

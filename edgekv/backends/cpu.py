@@ -233,8 +233,9 @@ class CPUBackend:
         else:
             fk = fv = np.zeros((0,) + k.shape[1:], np.float32)
             fpos = q_pos[:0]
-        out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
-                              fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
+        # pos of the filled slots only: the kernel reads no slot past it (and the rest holds no -1s)
+        out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos[: kv.fill],
+                              kv.n_sink, fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
                               recent_v=kv.rv, recent_pos=kv.rpos, recent=kv.recent, exact_lo=e0, first=kv.first,
                               fresh_all=not first, sink_bias=sink_bias, check=False)
         if not first:  # attend over (ring, this batch), then store

@@ -449,7 +449,7 @@ class CUDABackend:
         up to date when the host changed them (trim, reset)."""
         r = kv.__dict__.get("_cuda_ring")
         if r is None or r.owner is not self:
-            if kv.n_written == 0 and (kv.pos < 0).all() and (kv.rpos < 0).all():
+            if kv.n_written == 0 and (kv.rpos < 0).all():
                 # an empty ring: allocate only (attention reads a slot only once it is written)
                 up = lambda a: self.cuda.device_array(a.shape, a.dtype)  # noqa: E731
             else:
@@ -481,7 +481,7 @@ class CUDABackend:
                 if kv.kind != "f16":
                     r.ks.copy_to_host(kv.k_scale.view(np.uint16))
                     r.vs.copy_to_host(kv.v_scale.view(np.uint16))
-                empty = kv.pos < 0  # never written on the device: whatever the allocation held
+                empty = ~kv.live  # never written on the device: whatever the allocation held
                 for a in (kv.k, kv.v) + ((kv.k_scale, kv.v_scale) if kv.kind != "f16" else ()):
                     a[empty] = 0
                 if kv.rk.shape[0]:  # the exact copies (rpos and mu, kmul are kept on the host)

@@ -103,16 +103,17 @@ class ReferenceBackend:
             kv.write(k_stored, v, q_pos)
         # three sources (kv_attention's): 0 the ring as stored, 1 the exact recent slots,
         # 2 this batch exact: all of it when not yet stored, else only for the recent rule
-        kk, vv = kv.read()  # (cap, Hkv, hd), keys in stored (maybe rotated) space
-        live, rlive = kv.pos >= 0, kv.rpos >= 0
+        kk, vv = kv.read()  # (fill, Hkv, hd), keys in stored (maybe rotated) space
+        ring_pos = kv.pos[: kv.fill]  # slots past the fill are empty (LayerKV.fill)
+        live, rlive = ring_pos >= 0, kv.rpos >= 0
         fresh = not first or kv.recent > 0
         keys = np.concatenate([kk[live], kv.rk[rlive].astype(np.float32)] + ([k_stored] if fresh else []))  # (T, Hkv, hd)
         vals = np.concatenate([vv[live], kv.rv[rlive].astype(np.float32)] + ([v] if fresh else []))
-        k_pos = np.concatenate([kv.pos[live], kv.rpos[rlive]] + ([q_pos] if fresh else []))
+        k_pos = np.concatenate([ring_pos[live], kv.rpos[rlive]] + ([q_pos] if fresh else []))
         src = np.repeat([0, 1, 2], [live.sum(), rlive.sum(), n if fresh else 0])
         # sinks: ring slots 0..n_sink-1 and their exact copies (positions < n_sink)
         sink = np.zeros(len(k_pos), bool)
-        sink[: live.sum()] = (np.arange(kv.capacity) < kv.n_sink)[live]
+        sink[: live.sum()] = (np.arange(kv.fill) < kv.n_sink)[live]
         sink[live.sum():] = k_pos[live.sum():] < kv.n_sink
         q_sink = self.rope(q, -kv.sink_shift(q_pos), rope)  # sinks just before the window
         sink_bias = kv.sink_bias(q, q_sink).T[:, :, None]  # (H, n, 1)

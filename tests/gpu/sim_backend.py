@@ -123,7 +123,7 @@ def test_session_saved_from_the_device(models, tmp_path):
     ring = lk.__dict__["_cuda_ring"]
     assert not lk.k.any()  # the host copy is stale until a save
     s.save(tmp_path / "s.edgekv")
-    written = lk.pos >= 0
+    written = lk.live
     assert written.sum() == 3
     np.testing.assert_array_equal(lk.k.view(np.uint16)[written], ring.k.copy_to_host()[written])
     assert lk.k[written].any() and not lk.k[~written].any()  # empty slots saved as zeros
