@@ -6,6 +6,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections import Counter
 
 from . import __version__
@@ -609,10 +610,17 @@ def _end_progress_bars() -> None:
         bar.close()
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one `edgekv: warning:` line (Python's shows the file, line and source too)."""
+    _end_progress_bars()
+    print(f"edgekv: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     if not getattr(sys.unraisablehook, "edgekv", False):
         sys.unraisablehook = _quiet_llvmlite_cleanup(sys.unraisablehook)
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _warning_line
     if not getattr(args, "func", None):
         build_parser().print_help()
         return 2

@@ -155,13 +155,16 @@ class LLM:
         has_bos = tok.bos_id is not None and rendered.startswith(tok.token_text(tok.bos_id))
         return tok.encode(rendered, add_bos=False if has_bos else None, special=True)
 
-    def chat(self, messages: list[dict], *, stream: bool = False, max_tokens: int = 256, **kw):
+    def chat(self, messages: list[dict], *, stream: bool = False, max_tokens: int = 256, tools: list | None = None,
+             template_vars: dict | None = None, **kw):
         """OpenAI-style chat completion: messages [{"role", "content"}] -> a dict shaped like
-        OpenAI's response, or (stream=True) an iterator of chunk dicts. Keywords as generate()."""
+        OpenAI's response, or (stream=True) an iterator of chunk dicts. Keywords as generate().
+        tools and template_vars (e.g. {"enable_thinking": False} for Qwen3) reach the chat template."""
         import time as _time
         import uuid
 
-        ids = self.chat_ids(self.template.render(messages, add_generation_prompt=True))
+        ids = self.chat_ids(self.template.render(messages, add_generation_prompt=True, tools=tools,
+                                                 **(template_vars or {})))
         head = dict(id="chatcmpl-" + uuid.uuid4().hex[:24], created=int(_time.time()), model=self.path.name)
         from .generate import Stats
 

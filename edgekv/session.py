@@ -24,9 +24,12 @@ class ChatSession:
     """Create with `llm.session(system=...)`. One session per thread; several sessions may
     share one LLM (the weights), each with its own cache."""
 
-    def __init__(self, llm, system: str | None = None, *, max_tokens: int = 512, **sampling):
+    def __init__(self, llm, system: str | None = None, *, max_tokens: int = 512, template_vars: dict | None = None,
+                 **sampling):
         self.llm = llm
         self.system = system
+        # the chat template's own switches (Qwen3's enable_thinking, Llama 3.1's date_string, ...)
+        self.template_vars = dict(template_vars or {})
         self.max_tokens = max_tokens
         self.params = SamplingParams(**sampling)
         self.params.validate()
@@ -42,12 +45,15 @@ class ChatSession:
         sys = [{"role": "system", "content": self.system}] if self.system else []
         return sys + self.history
 
+    def _render(self) -> str:
+        return self.llm.template.render(self.messages(), add_generation_prompt=True, **self.template_vars)
+
     def _prompt_ids(self) -> list[int]:
         """Token ids of the rendered conversation. When the new rendering extends the text the
         cache already holds, only the new tail is tokenized and appended to the cached ids: the
         cache is reused even where re-tokenizing a reply would split it differently, and even
         after the ring has dropped old tokens (it cannot roll back then)."""
-        text = self.llm.template.render(self.messages(), add_generation_prompt=True)
+        text = self._render()
         tok = self.llm.tokenizer
         if self.seq.tokens and self._cached_text is not None and text.startswith(self._cached_text):
             return self.seq.tokens + tok.encode(text[len(self._cached_text):], add_bos=False, special=True)
@@ -72,7 +78,7 @@ class ChatSession:
             self.history.append({"role": "user", "content": text})
             try:
                 ids = self._prompt_ids()
-                rendered = self.llm.template.render(self.messages(), add_generation_prompt=True)
+                rendered = self._render()
             except BaseException:  # Ctrl-C too: a user turn without a reply would break alternation
                 self.history.pop()
                 raise
@@ -116,7 +122,7 @@ class ChatSession:
             del self.history[-2:]
             self._cached_text = None
             if self.messages():  # keep the prefix the rest of the conversation still renders to
-                self.seq.reuse(self.llm.chat_ids(self.llm.template.render(self.messages(), add_generation_prompt=True)))
+                self.seq.reuse(self.llm.chat_ids(self._render()))
             else:
                 self.seq.reset()
 
@@ -144,6 +150,7 @@ class ChatSession:
             header = dict(
                 format=SESSION_FORMAT, version=SESSION_VERSION, model=self.llm.identity, kv=self.llm.kv_type,
                 n_ctx=self.llm.n_ctx, system=self.system, history=self.history, max_tokens=self.max_tokens,
+                template_vars=self.template_vars,
                 tokens=self.seq.tokens, cached_text=self._cached_text, sampling=params, sampler=self.sampler.state(),
                 layers=[dict(n_written=lk.n_written, n_sink=lk.n_sink) for lk in self.seq.cache.layers],
             )
@@ -209,7 +216,10 @@ class ChatSession:
         try:
             sampling = dict(h["sampling"])
             sampling["logit_bias"] = {int(k): float(v) for k, v in sampling["logit_bias"]} or None
-            sess = cls(llm, h["system"], max_tokens=int(h["max_tokens"]), **sampling)
+            template_vars = h.get("template_vars", {})  # absent in files of before 2026-12
+            if not isinstance(template_vars, dict):
+                raise ValueError("template_vars")
+            sess = cls(llm, h["system"], max_tokens=int(h["max_tokens"]), template_vars=template_vars, **sampling)
             sess.sampler = Sampler.from_state(sess.params, llm.cfg.n_vocab, h["sampler"])
             sess.history = [dict(role=str(m["role"]), content=str(m["content"])) for m in h["history"]]
             tokens = [int(t) for t in h["tokens"]]

@@ -147,3 +147,27 @@ def test_openai_shaped_chat():
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == r["choices"][0]["message"]["content"]
     assert chunks[-1]["choices"][0]["finish_reason"] == r["choices"][0]["finish_reason"]
+
+
+def test_template_vars_reach_the_chat_template_and_survive_a_save(tmp_path):
+    """Qwen3's enable_thinking and the like: llm.chat(template_vars=...) and sessions pass
+    them to the template; a saved session keeps them."""
+    import copy
+
+    from edgekv.chat_template import ChatTemplate
+
+    llm = copy.copy(get_llm())  # the shared LLM keeps its own template
+    llm.template = ChatTemplate("{{ 'think:' ~ (enable_thinking | default(true)) ~ ' tools:' ~ (tools | length "
+                                "if tools else 0) }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    seen = []
+    render = llm.template.render
+    llm.template.render = lambda *a, **k: seen.append(render(*a, **k)) or seen[-1]
+    llm.chat([{"role": "user", "content": "hi"}], max_tokens=1, template_vars={"enable_thinking": False},
+             tools=[{"type": "function", "function": {"name": "f"}}])
+    assert seen[-1].startswith("think:False tools:1<user>hi")
+    chat = llm.session(template_vars={"enable_thinking": False}, max_tokens=2)
+    chat.send("hi")
+    assert seen[-1].startswith("think:False tools:0<user>hi")
+    chat.save(tmp_path / "s.ekv")
+    again = ChatSession.load(tmp_path / "s.ekv", llm)
+    assert again.template_vars == {"enable_thinking": False}

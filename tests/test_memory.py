@@ -253,3 +253,15 @@ def test_version_2_files_still_load_and_others_are_named(tmp_path):
         ChatSession.load(write(3, tmp_path / "bad.ekv"), llm)
     with pytest.raises(SessionFileError, match="version 1, this edgekv reads versions 2, 3"):
         ChatSession.load(write(1, tmp_path / "v1.ekv"), llm)
+
+
+def test_cli_shows_the_trained_context_warning_as_one_line():
+    import subprocess
+    import sys
+
+    trained = get_llm("smollm2").cfg.n_ctx_train
+    r = subprocess.run([sys.executable, "-m", "edgekv.cli", "run", str(model_path("smollm2")), "Hi", "-n", "1",
+                        "--ctx", str(trained + 8), "-q"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"edgekv: warning: n_ctx={trained + 8} is past the {trained} tokens")
