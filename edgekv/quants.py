@@ -34,9 +34,14 @@ QUANT_TYPES: dict[int, QuantType] = {q.id: q for q in (
     QuantType("Q4_K", 12, 256, 144),
     QuantType("Q5_K", 13, 256, 176),
     QuantType("Q6_K", 14, 256, 210),
+    QuantType("IQ4_NL", 20,  32,  18),
+    QuantType("IQ4_XS", 23, 256, 136),
     QuantType("BF16", 30,   1,   2),
 )}
 # fmt: on
 BY_NAME: dict[str, QuantType] = {q.name: q for q in QUANT_TYPES.values()}
 
 F32, F16, BF16 = 0, 1, 30
+
+# IQ4_NL and IQ4_XS: each 4-bit quant indexes this non-linear table (ggml's kvalues_iq4nl)
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)

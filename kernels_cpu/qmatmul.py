@@ -9,8 +9,9 @@ matrix; rows are decoded a block at a time, in registers.
   Up to SMALL_N tokens (decode): memory-bound. Each weight row is read once from memory and
   dotted with the activations, quantized per call to int8 the way llama.cpp does (Q8_0-like
   blocks of 32 for the 32-element types, Q8_K-like blocks of 256 with per-16 sums for the K
-  types): unsigned quants x int8 activations (vpdpbusd, pmaddubsw + pmaddwd / vpdpwssd), one
-  float FMA per block (per 256 weights for K types).
+  types and IQ4_XS): unsigned quants x int8 activations (vpdpbusd, pmaddubsw + pmaddwd /
+  vpdpwssd; the i-quants' 16-entry table is a byte shuffle, pshufb), one float FMA per block
+  (per 256 weights for K types and IQ4_XS).
   More tokens (prefill): compute-bound. A tile of rows is decoded to float once and a register
   tile of rows x 32 tokens accumulates over k with broadcast-FMA (float32 throughout).
 - dequantize_rows(w, qtype, rows, out): float32 rows (embedding lookup), same block decoders.
@@ -33,15 +34,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from edgekv.errors import EdgekvError, UnsupportedModelError
-from edgekv.quants import QUANT_TYPES
+from edgekv.quants import KVALUES_IQ4NL, QUANT_TYPES
 
 from . import ops
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
 
 # GGML type ids (edgekv/quants.py is the table; repeated here as compile-time constants).
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
-SUPPORTED = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
+SUPPORTED = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
 _FLOAT_TYPES = (F32, F16, BF16)
 
 # What a matmul does to its input first (qmatmul's `pre`): nothing, rmsnorm, or a gated activation.
@@ -395,6 +396,11 @@ _VPDPBUSD = {n: name for n, name, ok in (
     (64, "llvm.x86.avx512.vpdpbusd.512", _x86("avx512vnni", "avx512bw")),
     (32, "llvm.x86.avx512.vpdpbusd.256", _x86("avx512vnni", "avx512vl") or _x86("avxvnni")),
 ) if ok}
+_PSHUFB = {n: name for n, name, ok in (
+    (64, "llvm.x86.avx512.pshuf.b.512", _x86("avx512bw")),
+    (32, "llvm.x86.avx2.pshuf.b", _x86("avx2")),
+    (16, "llvm.x86.ssse3.pshuf.b.128", _x86("ssse3")),
+) if ok}
 
 
 def _call(builder, name, ret, args):
@@ -449,6 +455,39 @@ def _dot4_ir(builder, a, b, n, acc=None):
         wide = ir.VectorType(ir.IntType(16), n)
         r = _pairs(builder, _madd_ir(builder, builder.zext(a, wide), builder.sext(b, wide), n), n // 2)
     return r if acc is None else builder.add(acc, r)
+
+
+def _lut_ir(builder, table, idx, n):
+    """Lane i = table[idx[i]] for a 16-entry byte table and lanes idx < 16: pshufb (the table
+    repeated in every 128-bit lane), elsewhere one lane at a time."""
+    i8 = ir.IntType(8)
+    vals = [v - 256 if v > 127 else v for v in table]
+    if n in _PSHUFB:
+        return _call(builder, _PSHUFB[n], ir.VectorType(i8, n), [ir.Constant(ir.VectorType(i8, n), vals * (n // 16)), idx])
+    if n > 16 and n // 2 in _PSHUFB:
+        parts = [_lut_ir(builder, table, builder.shuffle_vector(idx, idx, _lanes(n // 2, lambda i, h=h: i + h * (n // 2))),
+                         n // 2) for h in range(2)]
+        return builder.shuffle_vector(parts[0], parts[1], _lanes(n, lambda i: i))
+    tv = ir.Constant(ir.VectorType(i8, 16), vals)
+    out = ir.Constant(ir.VectorType(i8, n), ir.Undefined)
+    for i in range(n):
+        j = builder.extract_element(idx, ir.Constant(_I32, i))
+        out = builder.insert_element(out, builder.extract_element(tv, j), ir.Constant(_I32, i))
+    return out
+
+
+def lut16(*table):
+    """An intrinsic f(v) -> Vec(uint8) whose lane i is table[v[i]] (16 byte values; v's lanes < 16)."""
+    assert len(table) == 16 and all(0 <= v < 256 for v in table)
+
+    @intrinsic
+    def lookup(typingctx, v):
+        def codegen(context, builder, sig, args):
+            return _lut_ir(builder, table, args[0], v.n)
+
+        return v(v), codegen
+
+    return lookup
 
 
 def _make_product(ir_fn, out_type, div, doc):
@@ -574,6 +613,17 @@ def _block_q8_0(row, o):
     return vadd(ld(row, o + 2, 32), 128), 128, half(row, o), f32(0)
 
 
+# IQ4_NL: 32 elements per 18-byte block (d:f16, qs:16 nibbles as Q4_0), each an index into the
+#   non-linear table KVALUES_IQ4NL; w = d * KVALUES[q]. The table is looked up (pshufb) plus 128,
+#   so that the quants stay unsigned bytes as Q8_0's: off = 128.
+_IQ4 = lut16(*(v + 128 for v in KVALUES_IQ4NL))
+
+
+@njit(inline="always")
+def _block_iq4_nl(row, o):
+    return _IQ4(_nibbles(ld(row, o + 2, 16))), 128, half(row, o), f32(0)
+
+
 # K types as 16 sub-blocks of 16 (a type with sub-blocks of 32 repeats each value twice):
 #   scales(w, o) -> (d, dmin, sc: int16 x 16, m: int32 x 16) of the super-block at byte o;
 #   quants(w, o, c) -> uint8 x 32, chunk c (elements 32c..32c+31, sub-blocks 2c and 2c+1);
@@ -685,6 +735,30 @@ def _quants_q6_k(row, o, c):
     return vor(low, vshl(high, 4))
 
 
+# IQ4_XS: 256 elements per 136-byte super-block (d:f16, scales_h:u16, scales_l:4, qs:128); sub-
+#   block j of 32 (chunk c = j): ls = (scales_l[j/2] >> 4(j%2)) & 15 | ((scales_h >> 2j) & 3) << 4,
+#   quants qs[16j:16j+16] as IQ4_NL's (plus 128); w = d * (ls - 32) * KVALUES[q].
+_OFF_IQ4_XS = 128
+_SPREAD_L = shuffler(0, 0, 1, 1, 2, 2, 3, 3)  # scales_l byte of sub-block j
+_SPREAD_H = shuffler(0, 0, 0, 0, 1, 1, 1, 1)  # scales_h byte of sub-block j
+
+
+@njit(inline="always")
+def _scales_iq4_xs(row, o):
+    u8 = np.uint8
+    s2 = cat(splat(u8(0), 1), splat(u8(4), 1))
+    s4 = cat(cat(splat(u8(0), 1), splat(u8(2), 1)), cat(splat(u8(4), 1), splat(u8(6), 1)))
+    low = vand(vshr(_SPREAD_L(ld(row, o + 4, 4)), cat(cat(s2, s2), cat(s2, s2))), 15)
+    high = vand(vshr(_SPREAD_H(ld(row, o + 2, 2)), cat(s4, s4)), 3)
+    sc = vsub(cvt(vor(low, vshl(high, 4)), np.int16), 32)
+    return half(row, o), f32(0), _DUP8(sc), splat(i32(0), 16)
+
+
+@njit(inline="always")
+def _quants_iq4_xs(row, o, c):
+    return _IQ4(_nibbles(ld(row, o + 8 + 16 * c, 16)))
+
+
 # F32 / F16 / BF16: rows of 4 / 2 / 2-byte little-endian floats; element i of the row at byte ro
 # as float32 x n.
 @njit(inline="always")
@@ -770,8 +844,15 @@ def _dot_chunk(w, o, c, xq, xb, sc, ia, quants):
     return vadd(ia, madd(p, _pick(sc, c)))
 
 
+@njit(inline="always")
+def _dot_chunk_wide(w, o, c, xq, xb, sc, ia, quants):
+    """_dot_chunk for quants past 127 (IQ4_XS's, up to 241) in sub-blocks of 32: pmaddubsw's pair
+    sums would saturate; exact sums of 4 (vpdpbusd) times the sub-block's scale instead."""
+    return vadd(ia, vmul(dot4(quants(w, o, c), ld(xq, xb + 32 * c, 32)), i32(lane(sc, 2 * c))))
+
+
 @njit(fastmath=True, inline="always")
-def _dot_k(w, ro, xq, xo, xd, bsum, bo, nb, scales, quants, nbytes, off):
+def _dot_k(w, ro, xq, xo, xd, bsum, bo, nb, scales, quants, nbytes, off, chunk):
     # the sub-block scales are small integers: accumulate int32 over the super-block, one float
     # FMA per 256 weights. The 8 chunks are written out: constant shifts and offsets in each.
     # Offsets and mins per super-block: xd * (d * off * sum(sc * bsum) + dmin * sum(m * bsum)).
@@ -782,14 +863,14 @@ def _dot_k(w, ro, xq, xo, xd, bsum, bo, nb, scales, quants, nbytes, off):
         d, dmin, sc, mn = scales(w, o)
         xb = xo + 256 * b
         ia = splat(i32(0), 8)
-        ia = _dot_chunk(w, o, 0, xq, xb, sc, ia, quants)
-        ia = _dot_chunk(w, o, 1, xq, xb, sc, ia, quants)
-        ia = _dot_chunk(w, o, 2, xq, xb, sc, ia, quants)
-        ia = _dot_chunk(w, o, 3, xq, xb, sc, ia, quants)
-        ia = _dot_chunk(w, o, 4, xq, xb, sc, ia, quants)
-        ia = _dot_chunk(w, o, 5, xq, xb, sc, ia, quants)
-        ia = _dot_chunk(w, o, 6, xq, xb, sc, ia, quants)
-        ia = _dot_chunk(w, o, 7, xq, xb, sc, ia, quants)
+        ia = chunk(w, o, 0, xq, xb, sc, ia, quants)
+        ia = chunk(w, o, 1, xq, xb, sc, ia, quants)
+        ia = chunk(w, o, 2, xq, xb, sc, ia, quants)
+        ia = chunk(w, o, 3, xq, xb, sc, ia, quants)
+        ia = chunk(w, o, 4, xq, xb, sc, ia, quants)
+        ia = chunk(w, o, 5, xq, xb, sc, ia, quants)
+        ia = chunk(w, o, 6, xq, xb, sc, ia, quants)
+        ia = chunk(w, o, 7, xq, xb, sc, ia, quants)
         xdb = at(xd, bo + b)
         acc = fma(cvt(ia, np.float32), splat(d * xdb, 8), acc)
         bs = ld(bsum, 16 * (bo + b), 16)
@@ -809,11 +890,11 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, nbytes, h
 
 
 @njit(fastmath=True, inline="always")
-def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, scales, quants, nbytes, off):
+def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, scales, quants, nbytes, off, chunk):
     nb = k // 256
     for r in range(r0, r1):
         for t in range(n):
-            out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, t * nb, nb, scales, quants, nbytes, off)
+            out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, t * nb, nb, scales, quants, nbytes, off, chunk)
 
 
 @njit(fastmath=True, inline="always")
@@ -838,15 +919,20 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     elif qtype == Q8_0:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, 34, False)
     elif qtype == Q2_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q2_k, _quants_q2_k, 84, _OFF_Q2_K)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q2_k, _quants_q2_k, 84, _OFF_Q2_K, _dot_chunk)
     elif qtype == Q3_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q3_k, _quants_q3_k, 110, _OFF_Q3_K)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q3_k, _quants_q3_k, 110, _OFF_Q3_K, _dot_chunk)
     elif qtype == Q4_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_k4, _quants_q4_k, 144, _OFF_Q4_K)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_k4, _quants_q4_k, 144, _OFF_Q4_K, _dot_chunk)
     elif qtype == Q5_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_k4, _quants_q5_k, 176, _OFF_Q5_K)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_k4, _quants_q5_k, 176, _OFF_Q5_K, _dot_chunk)
     elif qtype == Q6_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q6_k, _quants_q6_k, 210, _OFF_Q6_K)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q6_k, _quants_q6_k, 210, _OFF_Q6_K, _dot_chunk)
+    elif qtype == IQ4_NL:
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, 18, False)
+    elif qtype == IQ4_XS:
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_iq4_xs, _quants_iq4_xs, 136, _OFF_IQ4_XS,
+                _dot_chunk_wide)
     elif qtype == F32:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
     elif qtype == F16:
@@ -923,6 +1009,10 @@ def _dequant_row(qtype, w, ro, k, dst, at):
         _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q5_k, 176, _OFF_Q5_K)
     elif qtype == Q6_K:
         _deq_k(w, ro, k, dst, at, _scales_q6_k, _quants_q6_k, 210, _OFF_Q6_K)
+    elif qtype == IQ4_NL:
+        _deq_32(w, ro, k, dst, at, _block_iq4_nl, 18)
+    elif qtype == IQ4_XS:
+        _deq_k(w, ro, k, dst, at, _scales_iq4_xs, _quants_iq4_xs, 136, _OFF_IQ4_XS)
     elif qtype == F32:
         _deq_float(w, ro, k, dst, at, _load_f32)
     elif qtype == F16:
@@ -990,7 +1080,8 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     xa = np.empty((n, k), np.float32)  # the matmul's input
     _prologue(x, pre, pre_w, eps, xa)
     m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
-    fam = 0 if (qtype == F32 or qtype == F16 or qtype == BF16) else (256 if qtype >= Q2_K and qtype <= Q6_K else 32)
+    fam = 0 if (qtype == F32 or qtype == F16 or qtype == BF16) else (
+        256 if (qtype >= Q2_K and qtype <= Q6_K) or qtype == IQ4_XS else 32)
     bs = max(fam, 32)
     nb = k // bs
     # np.empty and plain loops: under parallel=True, np.zeros would be a parallel region of its own
@@ -1003,7 +1094,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         for t in range(n):
             sl = slice(t * nb, t * nb + nb)
             _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
-        off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (128 if qtype == Q8_0 else 0))
+        off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (128 if qtype == Q8_0 or qtype == IQ4_NL else 0))
         for i in range(n * k // 4):
             xoff[i] = -off * (i32(xq[4 * i]) + i32(xq[4 * i + 1]) + i32(xq[4 * i + 2]) + i32(xq[4 * i + 3]))
     xf = xa.reshape(-1)

@@ -21,6 +21,7 @@ GGUF_QUANTIZES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} 
 F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,),
 }
 NS = sorted({1, 2, qm.SMALL_N, qm.SMALL_N + 1, 33, 50})  # both paths; partial token groups
 
@@ -102,6 +103,32 @@ def test_gguf_quantized(name):
     w = quantized(name, 37, k, rng)
     for n in (1, qm.SMALL_N + 1):
         check(w, name, rng.standard_normal((n, k), dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_decode_and_prefill(name):
+    """The i-quants (random bytes: every index, every 6-bit scale) on both paths, 37 rows (not a
+    multiple of the decode chunk or the prefill tile), k of 3 super-blocks / 24 blocks."""
+    rng = np.random.default_rng(13)
+    k = 768
+    w = random_raw(name, 37, k, rng)
+    for n in (1, 2, 7, 8, 64, 513):
+        check(w, name, rng.standard_normal((n, k), dtype=np.float32))
+
+
+def test_iq4_table_is_ggmls():
+    """IQ4_NL's and IQ4_XS's non-linear table is gguf.quants' (ggml's kvalues_iq4nl), and every
+    index of a block decodes to its entry."""
+    from gguf.quants import IQ4_NL
+
+    from edgekv.quants import KVALUES_IQ4NL
+
+    assert KVALUES_IQ4NL == IQ4_NL.kvalues
+    raw = np.zeros((1, 18), np.uint8)
+    raw[0, :2] = np.array([1.0], np.float16).view(np.uint8)
+    raw[0, 2:] = np.arange(16, dtype=np.uint8) | (np.arange(15, -1, -1, dtype=np.uint8) << 4)
+    got = qm.dequantize_rows(raw, BY_NAME["IQ4_NL"].id, np.array([0]))[0]
+    np.testing.assert_array_equal(got, np.array(KVALUES_IQ4NL + KVALUES_IQ4NL[::-1], np.float32))
 
 
 def test_many_tokens_and_out():
@@ -256,6 +283,46 @@ def test_errors():
     assert qm.qmatmul(np.zeros((0, 32), np.float32), w, q4).shape == (0, 4)
 
 
+def _one_tensor_gguf(path, qtype: int) -> None:
+    """A GGUF holding one (2, 256) tensor blk.0.attn_q.weight of GGML type qtype (zero bytes)."""
+    import struct
+
+    import gguf
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    name = b"blk.0.attn_q.weight"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", len(name)) + name
+    head += struct.pack("<I2QIQ", 2, 256, 2, qtype, 0)
+    path.write_bytes(head + bytes(-len(head) % 32) + bytes(2 * 256 // block * nbytes))
+
+
+def test_every_ggml_type_loads_or_is_refused(tmp_path):
+    """Every type id gguf knows: in the quant table (then with a CPU kernel), or refused when the
+    file is opened, by one UnsupportedModelError naming the tensor and the type."""
+    import gguf
+
+    import edgekv
+
+    assert set(qm.SUPPORTED) == set(QUANT_TYPES)
+    refused = []
+    for t in gguf.GGMLQuantizationType:
+        p = tmp_path / f"{t.name}.gguf"
+        _one_tensor_gguf(p, t.value)
+        if t.value in QUANT_TYPES:
+            f = GGUFFile(p)
+            assert f.tensors["blk.0.attn_q.weight"].type_name == t.name
+            f.close()
+            continue
+        refused.append(t.name)
+        for opener in (GGUFFile, lambda p: edgekv.load(p, progress=False)):
+            with pytest.raises(UnsupportedModelError, match=f"tensor blk.0.attn_q.weight has type {t.name},"):
+                opener(p)
+    for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4",
+                 "Q8_1", "Q8_K", "I8", "I16", "I32", "I64", "F64"):
+        assert name in refused
+    print("refused:", ", ".join(refused))
+
+
 @pytest.mark.parametrize("isa", ["native", "avx2", "generic"])
 def test_vector_primitives(monkeypatch, isa):
     """The integer products and float16 conversion on every instruction path: this machine's, AVX2
@@ -263,7 +330,7 @@ def test_vector_primitives(monkeypatch, isa):
     last two forced by editing the feature tables before compiling fresh kernels. The block
     decoders are target-neutral code on top of these."""
     if isa != "native":
-        for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD"):
+        for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD", "_PSHUFB"):
             keep = {16, 32} if isa == "avx2" and table != "_VPDPBUSD" else set()
             monkeypatch.setattr(qm, table, {n: v for n, v in getattr(qm, table).items() if n in keep})
         monkeypatch.setattr(qm, "_NATIVE_F16", False if isa == "generic" else qm._NATIVE_F16)
@@ -276,6 +343,12 @@ def test_vector_primitives(monkeypatch, isa):
         qm.st(o_ubs64, 0, qm.maddubs(qm.ld(u8, 0, 64), qm.ld(i8, 0, 64)))
         qm.st(o_dot32, 0, qm.dot4(qm.ld(u8, 0, 32), qm.ld(i8, 0, 32)))
         qm.st(o_dot64, 0, qm.dot4(qm.ld(u8, 0, 64), qm.ld(i8, 0, 64)))
+
+    @numba.njit
+    def lookups(idx, o16, o32, o64):  # the i-quants' table (pshufb)
+        qm.st(o16, 0, qm._IQ4(qm.ld(idx, 0, 16)))
+        qm.st(o32, 0, qm._IQ4(qm.ld(idx, 0, 32)))
+        qm.st(o64, 0, qm._IQ4(qm.ld(idx, 0, 64)))
 
     @numba.njit
     def halves(raw, out):
@@ -303,6 +376,15 @@ def test_vector_primitives(monkeypatch, isa):
         np.testing.assert_array_equal(outs[3], prod.reshape(-1, 2).sum(1))
         np.testing.assert_array_equal(outs[4], prod[:32].reshape(-1, 4).sum(1))
         np.testing.assert_array_equal(outs[5], prod.reshape(-1, 4).sum(1))
+    from edgekv.quants import KVALUES_IQ4NL
+
+    table = np.array(KVALUES_IQ4NL) + 128
+    for _ in range(5):
+        idx = rng.integers(0, 16, 64, dtype=np.uint8)
+        outs = [np.zeros(n, np.uint8) for n in (16, 32, 64)]
+        lookups(idx, *outs)
+        for o in outs:
+            np.testing.assert_array_equal(o, table[idx[: o.size]])
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every float16
     got = np.zeros(1 << 16, np.float32)
     halves(bits.view(np.uint8), got)
