@@ -16,15 +16,16 @@ import numpy as np
 from numba import cuda
 
 from edgekv.errors import UnsupportedModelError
-from edgekv.quants import QUANT_TYPES
+from edgekv.quants import KVALUES_IQ4NL, QUANT_TYPES
 
 from . import launch
 from .launch import blocks, launch as _launch
 from .ops import MAXT, _F0, h2f, half_at
 
 # GGML type ids (edgekv/quants.py is the table)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14
-SUPPORTED = (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 20, 23
+SUPPORTED = (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+_KVALUES = np.array(KVALUES_IQ4NL, np.float32)  # a global array: a constant in the kernels
 
 
 @cuda.jit(device=True)
@@ -111,6 +112,27 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
             if five:
                 q |= ((np.int32(wq[r, o + 16 + l]) >> c) & 1) << 4
             buf[l] = ds * np.float32(q) - dm
+    elif qtype == IQ4_NL or qtype == IQ4_XS:
+        # IQ4_NL: 32 elements per 18-byte block (d:f16, qs:16 nibbles as Q4_0, indices into
+        #   KVALUES_IQ4NL); w = d*KVALUES[q].
+        # IQ4_XS: 256 elements per 136-byte super-block (d:f16, scales_h:u16, scales_l:4, qs:128);
+        #   sub-block c of 32: ls = (scales_l[c/2] >> 4(c%2)) & 15 | ((scales_h >> 2c) & 3) << 4,
+        #   quants qs[16c:16c+16] as IQ4_NL's; w = d*(ls-32)*KVALUES[q].
+        if qtype == IQ4_NL:
+            o = 18 * u
+            ds = half_at(wq, r, o)
+            qs = o + 2
+        else:
+            o = 136 * (u // 8)
+            c = u % 8
+            sh = np.int32(wq[r, o + 2]) | (np.int32(wq[r, o + 3]) << 8)
+            ls = ((np.int32(wq[r, o + 4 + c // 2]) >> (4 * (c % 2))) & 15) | (((sh >> (2 * c)) & 3) << 4)
+            ds = half_at(wq, r, o) * np.float32(ls - 32)
+            qs = o + 8 + 16 * c
+        for l in range(16):
+            q = np.int32(wq[r, qs + l])
+            buf[l] = ds * _KVALUES[q & 15]
+            buf[l + 16] = ds * _KVALUES[q >> 4]
     else:
         # Q6_K: 256 elements per 210-byte super-block (ql:128, qh:64, scales:16 int8, d:f16);
         #   chunk c = 4h + t: q = (ql[64h + 32(t&1) + l] >> 4(t>>1)) & 15 | ((qh[32h + l] >> 2t) & 3) << 4;
