@@ -759,6 +759,18 @@ def _quants_iq4_xs(row, o, c):
     return _IQ4(_nibbles(ld(row, o + 8 + 16 * c, 16)))
 
 
+_PAIR_BYTES = shuffler(*range(16), *range(16), *range(16, 32), *range(16, 32))
+
+
+@njit(inline="always")
+def _quants_iq4_xs_pair(row, o, i):
+    """uint8 x 64: chunks 2i and 2i+1 (one 512-bit vector: half the instructions of two chunks)."""
+    u32 = np.uint32
+    s8 = cat(splat(u32(0), 4), splat(u32(4), 4))
+    b = view(_PAIR_BYTES(ld(row, o + 8 + 32 * i, 32)), np.uint32)
+    return _IQ4(vand(view(vshr(b, cat(s8, s8)), np.uint8), 15))
+
+
 # F32 / F16 / BF16: rows of 4 / 2 / 2-byte little-endian floats; element i of the row at byte ro
 # as float32 x n.
 @njit(inline="always")
@@ -844,11 +856,22 @@ def _dot_chunk(w, o, c, xq, xb, sc, ia, quants):
     return vadd(ia, madd(p, _pick(sc, c)))
 
 
+_LO8 = shuffler(*range(8))
+_HI8 = shuffler(*range(8, 16))
+
+
 @njit(inline="always")
-def _dot_chunk_wide(w, o, c, xq, xb, sc, ia, quants):
+def _dot_chunk_wide(w, o, c, xq, xb, sc, ia, pair_quants):
     """_dot_chunk for quants past 127 (IQ4_XS's, up to 241) in sub-blocks of 32: pmaddubsw's pair
-    sums would saturate; exact sums of 4 (vpdpbusd) times the sub-block's scale instead."""
-    return vadd(ia, vmul(dot4(quants(w, o, c), ld(xq, xb + 32 * c, 32)), i32(lane(sc, 2 * c))))
+    sums would saturate; exact sums of 4 (vpdpbusd) times the sub-block's scale instead, two
+    chunks at a time (even c; odd c adds nothing): pair_quants(w, o, c // 2) -> uint8 x 64."""
+    if c & 1:
+        return ia
+    i = c >> 1
+    p = dot4(pair_quants(w, o, i), ld(xq, xb + 64 * i, 64))  # int32 x 16: chunk 2i, then 2i+1
+    s = cvt(cat(splat(lane(sc, 4 * i), 8), splat(lane(sc, 4 * i + 2), 8)), np.int32)
+    prod = vmul(p, s)
+    return vadd(ia, vadd(_LO8(prod), _HI8(prod)))
 
 
 @njit(fastmath=True, inline="always")
@@ -931,7 +954,7 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     elif qtype == IQ4_NL:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, 18, False)
     elif qtype == IQ4_XS:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_iq4_xs, _quants_iq4_xs, 136, _OFF_IQ4_XS,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_iq4_xs, _quants_iq4_xs_pair, 136, _OFF_IQ4_XS,
                 _dot_chunk_wide)
     elif qtype == F32:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
