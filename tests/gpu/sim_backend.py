@@ -4,6 +4,8 @@ attends before it is stored, int8/int4 caches (key offset, channel weights, exac
 recent tokens, fitted int4 steps), partial offload, and sessions saved from the device."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -83,6 +85,20 @@ def test_logits_match_reference(models, arch, kv, recent, monkeypatch):
     if kv != "f16":
         lk = gpu.new_cache()[0]
         assert lk.recent == min(recent or kvcache.RECENT, lk.capacity - lk.n_sink) and lk.first == 4
+
+
+def test_iq4_file_matches_reference(monkeypatch):
+    """llama.cpp's IQ4_XS quantization of a synthetic llama (tests/fixtures/archs/; IQ4_NL's
+    kernel is tested in sim_kernels.py): one prefill of the prompt. Heads of 64: blocks of 16
+    threads."""
+    from edgekv.kernels_gpu import launch
+
+    monkeypatch.setattr(launch, "THREADS", 16)
+    path = Path(__file__).resolve().parent.parent / "fixtures" / "archs" / "llama3.iq4_xs.gguf"
+    a, b = (LLM(path, n_ctx=8, kv="f16", device=d) for d in ("cuda", "reference"))
+    la, lb = (m.forward(PROMPT, m.new_cache(), 0, last_only=False) for m in (a, b))
+    rel = np.linalg.norm(la - lb, axis=-1) / np.linalg.norm(lb, axis=-1)
+    assert rel.max() < 1e-4, rel
 
 
 @pytest.mark.parametrize("arch,kv", [("llama", "f16"), ("gemma3", "f16"), ("llama", "int4")])
