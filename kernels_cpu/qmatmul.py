@@ -858,6 +858,8 @@ def _dot_chunk(w, o, c, xq, xb, sc, ia, quants):
 
 _LO8 = shuffler(*range(8))
 _HI8 = shuffler(*range(8, 16))
+# sc (16 lanes, each sub-block's scale twice) -> 8 lanes of sub-block 2i's, 8 of 2i+1's
+_SC_PAIR0, _SC_PAIR1, _SC_PAIR2, _SC_PAIR3 = (shuffler(*[4 * i] * 8, *[4 * i + 2] * 8) for i in range(4))
 
 
 @njit(inline="always")
@@ -869,7 +871,15 @@ def _dot_chunk_wide(w, o, c, xq, xb, sc, ia, pair_quants):
         return ia
     i = c >> 1
     p = dot4(pair_quants(w, o, i), ld(xq, xb + 64 * i, 64))  # int32 x 16: chunk 2i, then 2i+1
-    s = cvt(cat(splat(lane(sc, 4 * i), 8), splat(lane(sc, 4 * i + 2), 8)), np.int32)
+    s32 = cvt(sc, np.int32)
+    if i == 0:
+        s = _SC_PAIR0(s32)
+    elif i == 1:
+        s = _SC_PAIR1(s32)
+    elif i == 2:
+        s = _SC_PAIR2(s32)
+    else:
+        s = _SC_PAIR3(s32)
     prod = vmul(p, s)
     return vadd(ia, vadd(_LO8(prod), _HI8(prod)))
 
