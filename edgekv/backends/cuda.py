@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import DeviceError
+from ..errors import DeviceError, UnsupportedModelError
 from ..gguf_file import Tensor
 from ..kvcache import LayerKV
 from ..rope import Rope
@@ -223,6 +223,9 @@ class CUDABackend:
             else:
                 groups.append([t])
         for g in groups:
+            if g[0].qtype not in self.qm.SUPPORTED:  # refused naming the tensor, as the file's types are
+                raise UnsupportedModelError(f"tensor {g[0].name} has type {g[0].type_name}, which edgekv's GPU "
+                                            f"kernels do not support (device cpu, or gpu_layers, keeps it on the CPU)")
             w = self.qm.upload([t.raw for t in g], g[0].qtype)
             parts.append((w, col))
             col += w.n_out

@@ -101,6 +101,16 @@ def test_iq4_file_matches_reference(monkeypatch):
     assert rel.max() < 1e-4, rel
 
 
+def test_a_type_without_gpu_kernels_is_refused_naming_the_tensor(monkeypatch):
+    from edgekv.errors import UnsupportedModelError
+    from edgekv.kernels_gpu import qmatmul as gq
+
+    monkeypatch.setattr(gq, "SUPPORTED", tuple(q for q in gq.SUPPORTED if q != gq.IQ4_XS))
+    path = Path(__file__).resolve().parent.parent / "fixtures" / "archs" / "llama3.iq4_xs.gguf"
+    with pytest.raises(UnsupportedModelError, match=r"tensor blk\.0\.\w+\.weight has type IQ4_XS, which edgekv's GPU"):
+        LLM(path, n_ctx=8, device="cuda")
+
+
 @pytest.mark.parametrize("arch,kv", [("llama", "f16"), ("gemma3", "f16"), ("llama", "int4")])
 def test_same_greedy_tokens_as_cpu(models, arch, kv):
     """n_ctx 8 with 4 sinks (llama) / windows of 4 (gemma3): the ring wraps while decoding."""
