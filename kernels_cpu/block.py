@@ -42,12 +42,14 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, rope, layer, n_written, par):
     inv_freq, neox, n_rope_heads, shift = rope
     e1 = np.empty(0, np.float32)  # absent pre_w / post_w / residual (module globals would be read-only)
     e2 = np.empty((0, 0), np.float32)
+    # constants reach _qmatvec as plain int64: a literal argument would compile another _qmatvec
+    norm, plain, zero = np.int64(PRE_NORM), np.int64(PRE_NONE), np.int64(0)
     # qkv, in runs of one type side by side
     qkv = np.empty((1, (H + 2 * Hkv) * hd), np.float32)
-    col = 0
+    col = zero
     for r in range(3):
         if mqkv[r]:
-            _qmatvec(x, wqkv[r], tqkv[r], qkv, col, PRE_NORM, attn_norm, eps, e2, e1)
+            _qmatvec(x, wqkv[r], tqkv[r], qkv, col, norm, attn_norm, eps, e2, e1)
             col += mqkv[r]
     if qkv_bias.shape[0]:
         for c in range(qkv.shape[1]):
@@ -71,14 +73,14 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, rope, layer, n_written, par):
     a = np.empty((1, H, hd), np.float32)
     _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a)
     o = np.empty((1, x.shape[1]), np.float32)
-    _qmatvec(a.reshape(1, H * hd), wo, to, o, 0, PRE_NONE, e1, eps, x, post_attn)  # x += post(o)
+    _qmatvec(a.reshape(1, H * hd), wo, to, o, zero, plain, e1, eps, x, post_attn)  # x += post(o)
     gu = np.empty((1, mgu[0] + mgu[1] + mgu[2]), np.float32)
-    col = 0
+    col = zero
     for r in range(3):
         if mgu[r]:
-            _qmatvec(x, wgu[r], tgu[r], gu, col, PRE_NORM, ffn_norm, eps, e2, e1)
+            _qmatvec(x, wgu[r], tgu[r], gu, col, norm, ffn_norm, eps, e2, e1)
             col += mgu[r]
-    _qmatvec(gu, wdown, tdown, o, 0, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
+    _qmatvec(gu, wdown, tdown, o, zero, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
 
 
 def _runs(w) -> tuple[tuple, tuple, tuple]:

@@ -980,8 +980,9 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out):
     cap = pos.shape[0]
     slot = np.empty(1, np.int64)
     slot[0] = n_written if n_written < cap else n_sink + (n_written - n_sink) % max(cap - n_sink, 1)
-    _store_core(kind, ko, K, slot, False, B, rule)
-    _store_core(kind, vo, V, slot, False, B, rule)
+    unrotated = slot[0] < 0  # False, typed bool: kv_store's own _store_core, not one for a literal False
+    _store_core(kind, ko, K, slot, unrotated, B, rule)
+    _store_core(kind, vo, V, slot, unrotated, B, rule)
     pos[slot[0]] = p
     # with exact recent slots the token is read exact from the fresh batch, hidden in the ring
     m = 1 if recent > 0 else 0
