@@ -64,12 +64,10 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, rope, layer, n_written, par):
     cs = np.empty(inv_freq.shape[0], np.float32)
     sn = np.empty(inv_freq.shape[0], np.float32)
     _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, 0, cs, sn)  # q and k: the first H + Hkv heads
-    q = np.empty((1, H, hd), np.float32)
-    k = np.empty((1, Hkv, hd), np.float32)
-    v = np.empty((1, Hkv, hd), np.float32)
-    q[0] = qkv3[0, :H]
-    k[0] = qkv3[0, H : H + Hkv]
-    v[0] = qkv3[0, H + Hkv :]
+    # copies, not slice assignments: each of those compiles numba's shape-mismatch message (~1 s cold)
+    q = qkv3[:, :H].copy()  # (1, H, hd)
+    k = qkv3[:, H : H + Hkv].copy()
+    v = qkv3[:, H + Hkv :].copy()
     a = np.empty((1, H, hd), np.float32)
     _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a)
     o = np.empty((1, x.shape[1]), np.float32)
