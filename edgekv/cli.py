@@ -174,6 +174,7 @@ def cmd_chat(args) -> int:
     from .hub import DEFAULT_MODEL
     from .llm import load
     from .session import ChatSession
+    from .warmup import prepare
 
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -181,6 +182,7 @@ def cmd_chat(args) -> int:
         pass
     llm = load(args.model or DEFAULT_MODEL, n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device,
                progress=True, gpu_layers=args.gpu_layers)
+    prepare(llm)  # compile what the chat needs now, behind a bar, not in its first turns
     sampling = dict(temperature=args.temp, seed=args.seed)
     sess = llm.session(system=args.system, max_tokens=args.max_tokens, **sampling)
     print(f"edgekv chat: {llm.path.name} ({llm.cfg.arch}, kv {llm.kv_type}, ctx {llm.n_ctx}). /help for commands.", flush=True)
@@ -250,6 +252,16 @@ def _chat_step(text: str, sess, llm, ChatSession):
     except EdgekvError as e:
         print(f"\nerror: {e}", flush=True)
     return sess
+
+
+def cmd_warmup(args) -> int:
+    from .llm import load
+    from .warmup import prepare
+
+    llm = load(args.model, kv=args.kv, progress=not args.quiet) if args.model else None
+    n = prepare(llm, progress=not args.quiet)
+    print(f"kernels ready{f' ({n} compiled in this process)' if n else ''}")
+    return 0
 
 
 def _ints(text: str) -> list[int]:
@@ -354,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", default=None, help="system prompt")
     s.add_argument("-n", "--max-tokens", type=int, default=512, help="longest reply")
     s.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("warmup", help="compile the CPU kernels now (a first chat otherwise starts with it)")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="also run this model once (default: none)")
+    s.add_argument("--kv", default="int8", help="KV cache type of that run")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_warmup)
 
     s = sub.add_parser("bench", help="speed tests like llama-bench, optionally beside llama.cpp")
     s.add_argument("model", metavar="MODEL")
