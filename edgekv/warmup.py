@@ -268,7 +268,7 @@ def prepare(llm=None, *, progress: bool = True, workers: int | None = None, forc
     bar = _Bar(progress)
     if n_workers > 1:
         _compile_in_workers(bar, n_workers)
-        bar.show(0.97, "loading")
+        bar.show(0.99, "loading")
     total = sum(g[2] for g in GROUPS)
     with _compiles() as compiled:
         for i, g in enumerate(GROUPS):
