@@ -232,6 +232,7 @@ def _kv_line(sess) -> str:
 def cmd_chat(args) -> int:
     from .hub import DEFAULT_MODEL
     from .llm import load
+    from .warmup import prepare
 
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -239,6 +240,7 @@ def cmd_chat(args) -> int:
         pass
     first = read_text_file(args.file) if args.file is not None else None
     llm = load(args.model or DEFAULT_MODEL, progress=True, **_load_args(args))
+    prepare(llm)  # compile what the chat needs now, behind a bar, not in its first turns
     sess = llm.session(system=args.system, max_tokens=args.max_tokens, **_sampling_args(args))
     chat = Chat(llm, sess, stop=args.stop or (), style=Style.for_stdout())
     print(f"edgekv chat: {llm.path.name} ({llm.cfg.arch}, kv {llm.kv_type}, ctx {llm.n_ctx}). /help for commands.", flush=True)
@@ -352,6 +354,16 @@ class Chat:
 
     COMMANDS = {"/help": _help, "/reset": _reset, "/regen": _regen, "/undo": _undo, "/system": _system,
                 "/stats": _stats, "/kv": _kv, "/save": _save, "/load": _load}
+
+
+def cmd_warmup(args) -> int:
+    from .llm import load
+    from .warmup import prepare
+
+    llm = load(args.model, kv=args.kv, progress=not args.quiet) if args.model else None
+    n = prepare(llm, progress=not args.quiet)
+    print(f"kernels ready{f' ({n} compiled in this process)' if n else ''}")
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -550,6 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-f", "--file", default=None, metavar="FILE", help="send the text of FILE as the first message")
     _add_load_args(s)
     _add_sampling_args(s, 0.7, "sampled by default, for varied replies; run's is 0")
+
+    s = verb("warmup", cmd_warmup, "compile the CPU kernels now (a first chat otherwise starts with it)")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="also run this model once (default: none)")
+    s.add_argument("--kv", type=kv_kind, default="int8", help="KV cache type of that run")
+    s.add_argument("-q", "--quiet", **quiet)
 
     s = verb("bench", cmd_bench, "speed tests like llama-bench, optionally beside llama.cpp")
     s.add_argument("model", metavar="MODEL", help="known name or .gguf path")
