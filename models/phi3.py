@@ -4,8 +4,8 @@ ffn_up.weight (first half gate, second half up, SiLU), NeoX RoPE over rope.dimen
 (Phi-4-mini: 96 of 128) and LongRoPE: per-pair factors rope_factors_long/short.weight picked by the
 context the model runs with against rope.scaling.original_context_length, with the q/k
 magnitude rope.scaling.attn_factor (edgekv/rope.py). attention.sliding_window (Phi-3-mini-4k:
-2047) is read but not applied: llama.cpp disables Phi's sliding window (its PR 13676), and edgekv
-follows it. Weights keep their GGUF names.
+2047; Phi-3.5-mini: 262144, past its context) is read but not applied: llama.cpp disables Phi's
+sliding window (its PR 13676), and edgekv follows it. Weights keep their GGUF names.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Config:
     norm_eps: float
     rope_dim: int  # leading dims of a head that rotate
     rope: ropes.Rope  # NEOX pairs; LongRoPE's factors for this n_ctx folded into its frequencies
-    sliding_window: int  # from the file, not applied (llama.cpp disables it for phi3)
+    file_window: int  # attention.sliding_window as the file has it, not applied (llama.cpp disables it)
 
     @classmethod
     def from_gguf(cls, f: GGUFFile, n_ctx: int | None = None) -> "Config":
@@ -65,7 +65,7 @@ class Config:
             norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5, kind=(int, float))),
             rope_dim=rope_dim,
             rope=ropes.from_gguf(f, rope_dim, head_dim, neox=True, n_ctx=n_ctx),
-            sliding_window=f.get(f"{a}.attention.sliding_window", 0, kind=int),
+            file_window=f.get(f"{a}.attention.sliding_window", 0, kind=int),
         )
         cfg.validate(f)
         validate_model(f, cfg)
