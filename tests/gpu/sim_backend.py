@@ -28,13 +28,16 @@ def models(tmp_path_factory):
         "llama": write_synthetic(d / "llama.gguf", "llama", "tiny", "q4_0", progress=False, **LLAMA),
         "gemma3": write_synthetic(d / "gemma3.gguf", "gemma3", "tiny", "q8_0", progress=False, **GEMMA),
         # llama3 RoPE factors, qwen3's q/k norms with YaRN and a head wider than n_embd/n_head,
-        # granite's multipliers
+        # granite's multipliers, phi3's LongRoPE
         "llama3": write_synthetic(d / "llama3.gguf", "llama", "tiny", "q8_0", progress=False,
                                   **{**LLAMA, "head_dim": 32}, rope_llama3=(8.0, 1.0, 4.0, 16)),
         "qwen3": write_synthetic(d / "qwen3.gguf", "qwen3", "tiny", "q8_0", progress=False,
                                  n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=32, n_ff=32, n_vocab=264, n_ctx=64,
                                  rope_yarn=(4.0, 16)),
         "granite": write_synthetic(d / "granite.gguf", "granite", "tiny", "q8_0", progress=False, **LLAMA),
+        # phi3: fused attn_qkv and gate/up, LongRoPE's long factors (n_ctx 8 is past 4) and attention factor
+        "phi3": write_synthetic(d / "phi3.gguf", "phi3", "tiny", "q8_0", progress=False,
+                                **{**LLAMA, "n_ctx": 16}, rope_longrope=4),
     }
 
 
@@ -66,7 +69,8 @@ def steps(llm: LLM) -> np.ndarray:
 # through the counter-rotated query with the sink bias once the ring wraps); gemma3 has GQA and
 # only sliding layers (rings of its window, no sinks).
 CASES = [("llama", "f16", None), ("gemma3", "int4", None), ("gemma3", "int4", 2), ("llama", "int8", 2),
-         ("llama", "int4", 2), ("llama3", "f16", None), ("qwen3", "int8", 2), ("granite", "f16", None)]
+         ("llama", "int4", 2), ("llama3", "f16", None), ("qwen3", "int8", 2), ("granite", "f16", None),
+         ("phi3", "int8", 2)]
 
 
 @pytest.mark.parametrize("arch,kv,recent", CASES)
