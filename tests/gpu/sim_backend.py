@@ -33,6 +33,9 @@ def models(tmp_path_factory):
                                  n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=32, n_ff=32, n_vocab=264, n_ctx=64,
                                  rope_yarn=(4.0, 16)),
         "granite": write_synthetic(d / "granite.gguf", "granite", "tiny", "q8_0", progress=False, **LLAMA),
+        # soft-caps at the size of these random weights' scores and logits, so both bend them
+        "gemma2": write_synthetic(d / "gemma2.gguf", "gemma2", "tiny", "q8_0", progress=False,
+                                  **{**GEMMA, "sliding_window": 4}, attn_softcap=0.01, final_softcap=0.05),
     }
 
 
@@ -64,7 +67,8 @@ def steps(llm: LLM) -> np.ndarray:
 # through the counter-rotated query with the sink bias once the ring wraps); gemma3 has GQA and
 # only sliding layers (rings of its window, no sinks).
 CASES = [("llama", "f16", None), ("gemma3", "int4", None), ("gemma3", "int4", 2), ("llama", "int8", 2),
-         ("llama", "int4", 2), ("llama3", "f16", None), ("qwen3", "int8", 2), ("granite", "f16", None)]
+         ("llama", "int4", 2), ("llama3", "f16", None), ("qwen3", "int8", 2), ("granite", "f16", None),
+         ("gemma2", "f16", None), ("gemma2", "int8", 2)]
 
 
 @pytest.mark.parametrize("arch,kv,recent", CASES)
