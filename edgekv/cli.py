@@ -232,6 +232,7 @@ def _kv_line(sess) -> str:
 def cmd_chat(args) -> int:
     from .hub import DEFAULT_MODEL
     from .llm import load
+    from .warmup import prepare
 
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -239,6 +240,7 @@ def cmd_chat(args) -> int:
         pass
     first = read_text_file(args.file) if args.file is not None else None
     llm = load(args.model or DEFAULT_MODEL, progress=True, **_load_args(args))
+    prepare(llm)  # compile what the chat needs now, behind a bar, not in its first turns
     sess = llm.session(system=args.system, max_tokens=args.max_tokens, **_sampling_args(args))
     chat = Chat(llm, sess, stop=args.stop or (), style=Style.for_stdout())
     print(f"edgekv chat: {llm.path.name} ({llm.cfg.arch}, kv {llm.kv_type}, ctx {llm.n_ctx}). /help for commands.", flush=True)
@@ -352,6 +354,16 @@ class Chat:
 
     COMMANDS = {"/help": _help, "/reset": _reset, "/regen": _regen, "/undo": _undo, "/system": _system,
                 "/stats": _stats, "/kv": _kv, "/save": _save, "/load": _load}
+
+
+def cmd_warmup(args) -> int:
+    from .llm import load
+    from .warmup import prepare
+
+    llm = load(args.model, kv=args.kv, progress=not args.quiet) if args.model else None
+    n = prepare(llm, progress=not args.quiet)
+    print(f"kernels ready{f' ({n} compiled in this process)' if n else ''}")
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -551,6 +563,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load_args(s)
     _add_sampling_args(s, 0.7, "sampled by default, for varied replies; run's is 0")
 
+    s = verb("warmup", cmd_warmup, "compile the CPU kernels now (a first chat otherwise starts with it)")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="also run this model once (default: none)")
+    s.add_argument("--kv", type=kv_kind, default="int8", help="KV cache type of that run")
+    s.add_argument("-q", "--quiet", **quiet)
+
     s = verb("bench", cmd_bench, "speed tests like llama-bench, optionally beside llama.cpp")
     s.add_argument("model", metavar="MODEL", help="known name or .gguf path")
     s.add_argument("-p", type=comma_list(nonnegative_int), default="512", help="prompt lengths to prefill, comma-separated (0 = none)")
@@ -580,9 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = verb("synth", cmd_synth, "write a synthetic GGUF with real shapes and random weights (for benchmarks)")
     s.add_argument("out", metavar="OUT.gguf", help="file to write")
-    s.add_argument("--arch", default="llama", choices=["llama", "gemma2", "gemma3", "qwen3", "granite"], help="architecture")
+    s.add_argument("--arch", default="llama", choices=["llama", "gemma2", "gemma3", "qwen3", "granite", "phi3"], help="architecture")
     s.add_argument("--size", default="7b", help="llama: tiny, 1b, 7b, 13b, 8b (Llama-3.1), 12b (Mistral-Nemo); "
-                   "gemma2: tiny, 9b; gemma3: tiny, 270m, 1b; qwen3: tiny, 8b; granite: tiny, 8b")
+                   "gemma2: tiny, 9b; gemma3: tiny, 270m, 1b; qwen3: tiny, 8b; granite: tiny, 8b; phi3: tiny, 3.8b (Phi-3.5-mini)")
     s.add_argument("--type", default="q4_0", help="q4_0, q5_0, q8_0, q4_k, q6_k, f16, f32")
     s.add_argument("--seed", type=int_range(0, 2**64 - 1, "2**64 - 1"), default=0, help="same seed, same bytes")
     s.add_argument("-q", "--quiet", **quiet)

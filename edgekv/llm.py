@@ -49,7 +49,7 @@ class LLM:
         self.n_ctx, self.kv_type, self.n_sink = n_ctx, kv, n_sink
         check_context(self, model_module(self.file.arch).Config.from_gguf(self.file))  # before any weight moves
         self.backend = get_backend(device, threads, gpu_layers)
-        self.model = build_model(self.file, self.backend)
+        self.model = build_model(self.file, self.backend, n_ctx)
         self.cfg = self.model.cfg
         self.tokenizer = Tokenizer.from_metadata(self.file.meta)
         tok = self.tokenizer

@@ -21,6 +21,7 @@ Tensor types follow what llama.cpp's `quantize` does for the matching ftype:
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from pathlib import Path
 
@@ -67,6 +68,13 @@ SIZES: dict[str, dict[str, dict]] = {
         "9b":   dict(n_layer=42, n_embd=3584, n_head=16, n_head_kv=8, head_dim=256, n_ff=14336, n_vocab=256000,
                      n_ctx=8192, sliding_window=4096),
     },
+    "phi3": {
+        # GQA 4/2 (Phi-4-mini has it; Phi-3.5-mini has 32/32), fused attn_qkv and gate/up ffn_up
+        "tiny": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320, n_ctx=512),
+        # Phi-3.5-mini-instruct: LongRoPE over an original context of 4096 (attn_factor 1.19)
+        "3.8b": dict(n_layer=32, n_embd=3072, n_head=32, n_head_kv=32, n_ff=8192, n_vocab=32064, n_ctx=131072,
+                     rope_longrope=4096, sliding_window=262144),
+    },
     "gemma3": {
         # 7 layers so that layer 5 is global and the others slide over 8 tokens
         "tiny": dict(n_layer=7, n_embd=256, n_head=2, n_head_kv=1, head_dim=32, n_ff=512, n_vocab=320,
@@ -80,6 +88,7 @@ SIZES: dict[str, dict[str, dict]] = {
 # Hyperparameters every size of an architecture shares (overridable like the sizes).
 # rope_llama3: (factor, low_freq_factor, high_freq_factor, original context) -> rope_freqs.weight;
 # rope_yarn: (factor, original context) -> rope.scaling.* keys; None = plain RoPE.
+# rope_longrope (phi3): original context -> LongRoPE factor tensors and attention factor.
 DEFAULTS = {
     "llama": dict(rope_base=10000.0, norm_eps=1e-5, rope_llama3=None, rope_yarn=None),
     "gemma2": dict(rope_base=10000.0, norm_eps=1e-6, attn_softcap=50.0, final_softcap=30.0, score_std=3.0),
@@ -87,6 +96,9 @@ DEFAULTS = {
     "qwen3": dict(rope_base=1e6, norm_eps=1e-6, rope_yarn=None),
     "granite": dict(rope_base=10000.0, norm_eps=1e-5, rope_yarn=None, embedding_scale=12.0, residual_scale=0.22,
                     attention_scale=0.0078125, logit_scale=16.0),
+    # rope_longrope: original context -> rope_factors_long/short.weight (synthetic ramps, longrope_factors)
+    # and rope.scaling.attn_factor as convert_hf_to_gguf computes it; rope_dim: rotated dims (None: all)
+    "phi3": dict(rope_base=10000.0, norm_eps=1e-5, rope_longrope=None, rope_dim=None, sliding_window=0),
 }
 # fmt: on
 
@@ -110,6 +122,8 @@ SPECIALS = {
     "qwen3": ["<unk>", "<s>", "</s>"],  # a SentencePiece vocabulary stands in for their BPE ones
     "granite": ["<unk>", "<s>", "</s>"],
     "gemma2": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
+    # Phi-3's added tokens (ids 32000.. there) right after SentencePiece's three
+    "phi3": ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
     "gemma3": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
 }
 SPECIAL_IDS = {  # unk, bos, eos, pad (None = no key)
@@ -117,6 +131,7 @@ SPECIAL_IDS = {  # unk, bos, eos, pad (None = no key)
     "qwen3": dict(unk=0, bos=1, eos=2, pad=None),
     "granite": dict(unk=0, bos=1, eos=2, pad=None),
     "gemma2": dict(unk=3, bos=2, eos=1, pad=0),
+    "phi3": dict(unk=0, bos=1, eos=3, pad=3),  # eos and pad <|endoftext|>, as Phi-3's
     "gemma3": dict(unk=3, bos=2, eos=1, pad=0),
 }
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_BYTE = 1, 3, 6  # llama.cpp's token types
@@ -137,7 +152,7 @@ def write_synthetic(path: str | os.PathLike, arch: str = "llama", size: str = "7
 
     arch/size pick a row of SIZES; `overrides` replace any of its fields (n_layer, n_embd,
     n_head, n_head_kv, n_ff, n_vocab, n_ctx, head_dim, sliding_window, rope_base, norm_eps,
-    rope_llama3, rope_yarn, granite's multipliers, gemma2's soft-caps and peaked score_std). qtype is one of QTYPES. peaked: structured
+    rope_llama3, rope_yarn, granite's multipliers, gemma2's soft-caps and peaked score_std, phi3's rope_longrope and rope_dim). qtype is one of QTYPES. peaked: structured
     weights whose next-token distributions are peaked (`_peaked_weights`; f32, f16 or q8_0, small
     models: they are made in memory) instead of random blocks. Same arguments, same bytes. The
     file appears under its name only once complete (written to `<path>.part`, then renamed).
@@ -180,6 +195,8 @@ def write_synthetic(path: str | os.PathLike, arch: str = "llama", size: str = "7
                     chunks = [_encode(dense[name], tname)]
                 elif name == "rope_freqs.weight":
                     chunks = [_llama3_factors(hp).view(np.uint8)]
+                elif name in LONGROPE_TENSORS:
+                    chunks = [longrope_factors(hp)[name].view(np.uint8)]
                 else:
                     chunks = _tensor_chunks(rng, arch, name, shape, BY_NAME[tname], weight_std)
                 for chunk in chunks:
@@ -207,9 +224,13 @@ def _hparams(arch: str, size: str, overrides: dict) -> dict:
         raise ValueError(f"unknown synthetic model fields {sorted(unknown)} (known: {sorted(hp)})")
     hp.update(overrides)
     hp.setdefault("head_dim", hp["n_embd"] // hp["n_head"])
+    if arch == "phi3":
+        hp["rope_dim"] = hp["rope_dim"] or hp["head_dim"]
+        if hp["rope_dim"] > hp["head_dim"] or hp["rope_dim"] % 2:
+            raise ValueError(f"rope_dim {hp['rope_dim']} must be even and at most head_dim {hp['head_dim']}")
     if hp["n_head"] % hp["n_head_kv"] or hp["head_dim"] % 2:
         raise ValueError(f"n_head {hp['n_head']} must be a multiple of n_head_kv {hp['n_head_kv']} and head_dim even")
-    if arch == "granite" and hp["head_dim"] * hp["n_head"] != hp["n_embd"]:
+    if arch in ("granite", "phi3") and hp["head_dim"] * hp["n_head"] != hp["n_embd"]:
         raise ValueError(f"{arch} needs n_embd == n_head * head_dim")
     n_min = len(SPECIALS[arch]) + 256
     if hp["n_vocab"] < n_min:
@@ -232,6 +253,8 @@ def _tensor_plan(arch: str, hp: dict, bulk: str) -> list[tuple[str, tuple[int, .
     plan = [weight("token_embd.weight", (V, e), out_type if tied else bulk)]
     if hp.get("rope_llama3"):
         plan.append(("rope_freqs.weight", (hp["head_dim"] // 2,), "F32"))
+    if hp.get("rope_longrope"):
+        plan += [(name, (hp["rope_dim"] // 2,), "F32") for name in LONGROPE_TENSORS]
     norms = ["attn_norm", "ffn_norm"]
     if arch in ("gemma2", "gemma3"):
         norms += ["post_attention_norm", "post_ffw_norm"]
@@ -240,6 +263,10 @@ def _tensor_plan(arch: str, hp: dict, bulk: str) -> list[tuple[str, tuple[int, .
         plan += [(p + n + ".weight", (e,), "F32") for n in norms]
         if arch in ("gemma3", "qwen3"):
             plan += [(p + f"attn_{x}_norm.weight", (hp["head_dim"],), "F32") for x in "qk"]
+        if arch == "phi3":  # q, k, v in one matrix; gate and up in ffn_up
+            plan += [weight(p + "attn_qkv.weight", (qd + 2 * kvd, e)), weight(p + "attn_output.weight", (e, qd)),
+                     weight(p + "ffn_up.weight", (2 * ff, e)), weight(p + "ffn_down.weight", (e, ff))]
+            continue
         plan += [
             weight(p + "attn_q.weight", (qd, e)), weight(p + "attn_k.weight", (kvd, e)),
             weight(p + "attn_v.weight", (kvd, e)), weight(p + "attn_output.weight", (e, qd)),
@@ -272,7 +299,13 @@ def _add_metadata(w, arch, size, qtype, ftype, hp, seed, tokens, scores, types) 
     w.add_uint32(f"{a}.attention.head_count_kv", hp["n_head_kv"])
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", hp["norm_eps"])
     w.add_float32(f"{a}.rope.freq_base", hp["rope_base"])
-    if arch in ("llama", "granite"):
+    if arch == "phi3":  # as convert_hf_to_gguf's Phi3MiniModel
+        w.add_uint32(f"{a}.rope.dimension_count", hp["rope_dim"])
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", hp["rope_longrope"] or hp["n_ctx"])
+        if hp["rope_longrope"]:
+            w.add_float32(f"{a}.rope.scaling.attn_factor", longrope_attn_factor(hp["n_ctx"], hp["rope_longrope"]))
+        w.add_uint32(f"{a}.attention.sliding_window", hp["sliding_window"])
+    elif arch in ("llama", "granite"):
         w.add_uint32(f"{a}.rope.dimension_count", hp["head_dim"])
         w.add_uint32(f"{a}.vocab_size", hp["n_vocab"])
         if hp["head_dim"] * hp["n_head"] != hp["n_embd"]:  # Mistral-Nemo
@@ -311,8 +344,8 @@ def _add_metadata(w, arch, size, qtype, ftype, hp, seed, tokens, scores, types) 
         w.add_uint32("tokenizer.ggml.padding_token_id", ids["pad"])
     w.add_bool("tokenizer.ggml.add_bos_token", True)
     w.add_bool("tokenizer.ggml.add_eos_token", False)
-    # Llama's SentencePiece prepends a space to the text; Gemma's does not.
-    w.add_bool("tokenizer.ggml.add_space_prefix", arch == "llama")
+    # Llama's (and Phi-3's) SentencePiece prepends a space to the text; Gemma's does not.
+    w.add_bool("tokenizer.ggml.add_space_prefix", arch in ("llama", "phi3"))
 
 
 def _vocab(arch: str, n_vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -457,6 +490,26 @@ def _q6_k(rng, n, std):
 BLOCK_MAKERS = {"Q4_0": _q4_0, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
 
 
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def longrope_factors(hp: dict) -> dict[str, np.ndarray]:
+    """Synthetic LongRoPE factors, (rope_dim/2,) float32 each, shaped like Phi-3.5's: long ones
+    rising geometrically from 1 (fast pairs) to n_ctx / original context (slowest pair), short
+    ones within 10% of 1."""
+    n = hp["rope_dim"] // 2
+    ramp = np.arange(n, dtype=np.float64) / max(n - 1, 1)
+    scale = hp["n_ctx"] / hp["rope_longrope"]
+    return {"rope_factors_long.weight": np.power(scale, ramp).astype(np.float32),
+            "rope_factors_short.weight": (1.0 + 0.1 * ramp**2).astype(np.float32)}
+
+
+def longrope_attn_factor(n_ctx: int, n_ctx_orig: int) -> float:
+    """rope.scaling.attn_factor as convert_hf_to_gguf writes it for LongRoPE ('su'/'longrope')."""
+    scale = n_ctx / n_ctx_orig
+    return math.sqrt(1 + math.log(scale) / math.log(n_ctx_orig)) if scale > 1.0 else 1.0
+
+
 def _llama3_factors(hp: dict) -> np.ndarray:
     from .rope import llama3_factors
 
@@ -493,9 +546,13 @@ def _peaked_weights(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {"token_embd.weight": E / g["embedding_scale"]}
     if hp.get("rope_llama3"):
         out["rope_freqs.weight"] = _llama3_factors(hp)
+    if hp.get("rope_longrope"):
+        out.update(longrope_factors(hp))
     qk_std = np.sqrt(SCORE_STD / e)  # q_i, k_i of std sqrt(SCORE_STD): scores q.k/sqrt(hd) of std SCORE_STD
     if arch == "qwen3":
         qk_std = 0.3 / np.sqrt(e)  # raw q, k small: the norms set the scale
+    if arch == "phi3" and hp.get("rope_longrope"):  # LongRoPE's attn_factor**2 on q.k: scores keep SCORE_STD
+        qk_std /= longrope_attn_factor(hp["n_ctx"], hp["rope_longrope"])
     for i in range(L):
         p = f"blk.{i}."
         out[p + "attn_norm.weight"] = np.ones(e, np.float32)
@@ -510,6 +567,9 @@ def _peaked_weights(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
         out[p + "ffn_gate.weight"] = gauss(ff, e) / np.float32(np.sqrt(e))
         out[p + "ffn_up.weight"] = gauss(ff, e) / np.float32(np.sqrt(e))
         out[p + "ffn_down.weight"] = gauss(e, ff) * np.float32(FFN_OUT / (0.5 * np.sqrt(ff)) / g["residual_scale"])
+        if arch == "phi3":  # the same matrices, stacked as phi3 stores them
+            out[p + "attn_qkv.weight"] = np.concatenate([out.pop(p + f"attn_{x}.weight") for x in "qkv"])
+            out[p + "ffn_up.weight"] = np.concatenate([out.pop(p + "ffn_gate.weight"), out.pop(p + "ffn_up.weight")])
     out["output_norm.weight"] = np.ones(e, np.float32)
     pred = np.argsort(rng.permutation(V))  # pred[u]: the token whose successor is u
     share = 1.0 / np.sqrt(1.0 + L * (ATTN_OUT**2 + FFN_OUT**2))  # E[t]'s part of the normed residual

@@ -42,12 +42,14 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     inv_freq, neox, n_rope_heads, shift = rope
     e1 = np.empty(0, np.float32)  # absent pre_w / post_w / residual (module globals would be read-only)
     e2 = np.empty((0, 0), np.float32)
+    # constants reach _qmatvec as plain int64: a literal argument would compile another _qmatvec
+    norm, plain, zero = np.int64(PRE_NORM), np.int64(PRE_NONE), np.int64(0)
     # qkv, in runs of one type side by side
     qkv = np.empty((1, (H + 2 * Hkv) * hd), np.float32)
-    col = 0
+    col = zero
     for r in range(3):
         if mqkv[r]:
-            _qmatvec(x, wqkv[r], tqkv[r], qkv, col, PRE_NORM, attn_norm, eps, e2, e1)
+            _qmatvec(x, wqkv[r], tqkv[r], qkv, col, norm, attn_norm, eps, e2, e1)
             col += mqkv[r]
     if qkv_bias.shape[0]:
         for c in range(qkv.shape[1]):
@@ -62,12 +64,10 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     cs = np.empty(inv_freq.shape[0], np.float32)
     sn = np.empty(inv_freq.shape[0], np.float32)
     _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, 0, cs, sn)  # q and k: the first H + Hkv heads
-    q = np.empty((1, H, hd), np.float32)
-    k = np.empty((1, Hkv, hd), np.float32)
-    v = np.empty((1, Hkv, hd), np.float32)
-    q[0] = qkv3[0, :H]
-    k[0] = qkv3[0, H : H + Hkv]
-    v[0] = qkv3[0, H + Hkv :]
+    # copies, not slice assignments: each of those compiles numba's shape-mismatch message (~1 s cold)
+    q = qkv3[:, :H].copy()  # (1, H, hd)
+    k = qkv3[:, H : H + Hkv].copy()
+    v = qkv3[:, H + Hkv :].copy()
     a = np.empty((1, H, hd), np.float32)
     # numba's disk cache tracks this file only: edit it whenever _decode_core changes, or a stale
     # compiled copy of the old one stays in use (it takes the attention soft-cap now)
@@ -75,21 +75,21 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     if res_scale != 1:
         a *= res_scale
     o = np.empty((1, x.shape[1]), np.float32)
-    _qmatvec(a.reshape(1, H * hd), wo, to, o, 0, PRE_NONE, e1, eps, x, post_attn)  # x += post(o)
+    _qmatvec(a.reshape(1, H * hd), wo, to, o, zero, plain, e1, eps, x, post_attn)  # x += post(o)
     gu = np.empty((1, mgu[0] + mgu[1] + mgu[2]), np.float32)
-    col = 0
+    col = zero
     for r in range(3):
         if mgu[r]:
-            _qmatvec(x, wgu[r], tgu[r], gu, col, PRE_NORM, ffn_norm, eps, e2, e1)
+            _qmatvec(x, wgu[r], tgu[r], gu, col, norm, ffn_norm, eps, e2, e1)
             col += mgu[r]
     if res_scale == 1:
-        _qmatvec(gu, wdown, tdown, o, 0, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
+        _qmatvec(gu, wdown, tdown, o, zero, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
     else:  # as the model's ops do it: h = silu(g) * u, h *= r, x += down(h)
         nf = gu.shape[1] // 2
         h = np.empty((1, nf), np.float32)
         _silu_mul_1d(gu[0, :nf], gu[0, nf:], h[0])
         h *= res_scale
-        _qmatvec(h, wdown, tdown, o, 0, PRE_NONE, e1, eps, x, post_ffw)
+        _qmatvec(h, wdown, tdown, o, zero, plain, e1, eps, x, post_ffw)
 
 
 def _runs(w) -> tuple[tuple, tuple, tuple]:

@@ -948,22 +948,21 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out, softcap):
         if rpos[j] >= 0 and (not live or rpos[j] < e0):
             e0 = rpos[j]
             live = True
-    qo = np.empty((1, n_head, hd), np.float32)  # q and k in the ring's key space
-    ko = np.empty((1, n_head_kv, hd), np.float32)
-    vo = np.empty((1, n_head_kv, hd), np.float32)
-    vo[:] = v
-    if rotated:
+    # copies, not slice assignments (`qo[:] = q`): each compiles numba's shape-mismatch message (~2 s cold)
+    vo = v.copy()
+    if rotated:  # q and k in the ring's key space
+        qo = np.empty((1, n_head, hd), np.float32)
+        ko = np.empty((1, n_head_kv, hd), np.float32)
         _kv_space_core(q, k, mu, kmul, B, qo, ko)
     else:
-        qo[:] = q
-        ko[:] = k
+        qo = q.copy()
+        ko = k.copy()
     # sinks, once the ring is full, are scored by q turned back by `shift` positions
     # (LayerKV.sink_shift), with their share of the key offset added back (LayerKV.sink_bias)
     sb = np.zeros((1 if shift and rotated else 0, n_head), np.float32)  # (1, H) or none
     qs = qo
     if shift:
-        qr = np.empty((1, n_head, hd), np.float32)
-        qr[:] = q
+        qr = q.copy()
         spos = np.empty(1, np.int64)
         spos[0] = -shift
         cs = np.empty(inv_freq.shape[0], np.float32)
@@ -985,17 +984,16 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out, softcap):
     cap = pos.shape[0]
     slot = np.empty(1, np.int64)
     slot[0] = n_written if n_written < cap else n_sink + (n_written - n_sink) % max(cap - n_sink, 1)
-    _store_core(kind, ko, K, slot, False, B, rule)
-    _store_core(kind, vo, V, slot, False, B, rule)
+    unrotated = slot[0] < 0  # False, typed bool: kv_store's own _store_core, not one for a literal False
+    _store_core(kind, ko, K, slot, unrotated, B, rule)
+    _store_core(kind, vo, V, slot, unrotated, B, rule)
     pos[slot[0]] = p
     # with exact recent slots the token is read exact from the fresh batch, hidden in the ring
     m = 1 if recent > 0 else 0
-    fk = np.empty((m, n_head_kv, hd), np.float32)
-    fv = np.empty((m, n_head_kv, hd), np.float32)
+    fk = ko[:m].copy()
+    fv = vo[:m].copy()
     fpos = np.empty(m, np.int64)
     if m:
-        fk[:] = ko
-        fv[:] = vo
         fpos[0] = p
     fresh_all = m < 0  # False: the token is in the ring already
     v_rotated = m < 0  # False: values are stored as they are

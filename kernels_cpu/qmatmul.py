@@ -956,8 +956,9 @@ def _prologue(x, pre, pre_w, eps, xa):
             _silu_mul_1d(x[t, :k], x[t, k:], xa[t])
         elif pre == PRE_GELU:
             _gelu_mul_1d(x[t, :k], x[t, k:], xa[t])
-        else:
-            xa[t] = x[t]
+        else:  # a loop: a slice assignment would compile numba's shape-mismatch message (~1 s cold)
+            for j in range(k):
+                xa[t, j] = x[t, j]
 
 
 @njit(**_KERNEL)

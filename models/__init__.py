@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "granite": "llama",  # llama graph + embedding, residual, attention and logit multipliers
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "phi3": "phi3",  # fused qkv and gate/up, LongRoPE
 }
 
 
@@ -23,6 +24,9 @@ def model_module(arch: str):
     return import_module(f".{ARCHITECTURES[arch]}", __name__)
 
 
-def build_model(f, backend):
-    """The Model for an open GGUFFile, its weights prepared on `backend`."""
-    return model_module(f.arch).Model(f, backend)
+def build_model(f, backend, n_ctx: int | None = None):
+    """The Model for an open GGUFFile, its weights prepared on `backend`. n_ctx: the context it
+    will run with, for the modules whose RoPE depends on it (ROPE_BY_CONTEXT: phi3's LongRoPE
+    factors); None: the trained context."""
+    mod = model_module(f.arch)
+    return mod.Model(f, backend, n_ctx=n_ctx) if getattr(mod, "ROPE_BY_CONTEXT", False) else mod.Model(f, backend)

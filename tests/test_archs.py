@@ -1,5 +1,6 @@
 """The newer architectures (llama with llama3 RoPE factors, qwen3 with YaRN, granite, llama with
-Mistral-Nemo's key_length heads, gemma2 with soft-caps and sliding windows) against llama.cpp on small synthetic models with peaked
+Mistral-Nemo's key_length heads, gemma2 with soft-caps and sliding windows, phi3 with LongRoPE)
+against llama.cpp on small synthetic models with peaked
 next-token distributions (write_synthetic(peaked=True); fixtures/record_archs.py recorded
 llama.cpp on them), teacher-forced at every one of 400 positions, F16, Q8_0 (both written here
 by edgekv synth, byte-identical to what llama.cpp saw) and Q4_K_M (llama.cpp's quantizer, kept in fixtures/archs/). Each feature is shown to
@@ -19,7 +20,7 @@ import pytest
 from conftest import FIXTURES, row_agreement, teacher_forced_logits
 
 MIN_TOP1, MAX_KL = 0.95, 0.01
-CASES = ("llama3", "qwen3", "granite", "nemo", "gemma2")  # nemo: llama with 128-wide heads from key_length
+CASES = ("llama3", "qwen3", "granite", "nemo", "gemma2", "phi3")  # nemo: llama with 128-wide heads from key_length
 TYPES = ("f16", "q8_0", "q4_k_m")
 
 
@@ -146,11 +147,40 @@ def _off_sliding_window(model):
     model.cfg = dataclasses.replace(model.cfg, sliding_window=0)  # windows(): every layer global
 
 
+def _phi3_factors() -> dict:
+    from edgekv.synth import longrope_factors
+
+    s = fixture("phi3")["synth"]
+    return longrope_factors(dict(rope_dim=64, n_ctx=512, rope_longrope=s["overrides"]["rope_longrope"]))
+
+
+def _with_factors(model, ff) -> None:
+    from edgekv.rope import Rope, rope_freqs
+
+    rope = model.cfg.rope
+    model.cfg = dataclasses.replace(model.cfg, rope=Rope(rope_freqs(10000.0, rope.n_rot, factors=ff), True,
+                                                         rope.attn_factor))
+
+
+def _off_long_factors(model):  # LongRoPE's short factors, as a context within the original one gets
+    _with_factors(model, _phi3_factors()["rope_factors_short.weight"])
+
+
+def _off_longrope(model):  # no factors at all
+    _with_factors(model, None)
+
+
+def _on_sliding_window(model):  # Phi-3's attention.sliding_window applied, which llama.cpp does not do
+    cfg = model.cfg
+    object.__setattr__(cfg, "windows", lambda: [cfg.file_window] * cfg.n_layer)
+
+
 @pytest.mark.parametrize("case,switch_off", [
     ("llama3", _off_llama3_factors), ("qwen3", _off_yarn), ("qwen3", _off_qk_norm),
     ("granite", _off_residual_scale), ("granite", _off_attention_scale), ("granite", _off_embedding_scale),
     ("granite", _off_logit_scale), ("gemma2", _off_attn_softcap), ("gemma2", _off_final_softcap),
-    ("gemma2", _off_sliding_window),
+    ("gemma2", _off_sliding_window), ("phi3", _off_long_factors), ("phi3", _off_longrope),
+    ("phi3", _off_attention_scale), ("phi3", _on_sliding_window),
 ])
 def test_each_feature_matters(root, case, switch_off):
     """The harness can fail: edgekv with the feature switched off misses the thresholds."""
@@ -161,7 +191,7 @@ def test_each_feature_matters(root, case, switch_off):
     model = build_model(GGUFFile(model_file(root, case, "q8_0")), ReferenceBackend())  # its own, patched
     switch_off(model)
     top1, kl = agreement(model, case, "q8_0")
-    print(f"{case} without {switch_off.__name__[5:]}: top-1 {top1:.3f}, KL {kl:.4f}")
+    print(f"{case} {switch_off.__name__[1:].replace('_', ' ', 1)}: top-1 {top1:.3f}, KL {kl:.4f}")
     assert top1 < MIN_TOP1 or kl > 10 * MAX_KL
 
 
@@ -284,7 +314,7 @@ def test_gemma2_windowed_layers_use_rings(root):
 def test_attention_softcap_kernels_match_numpy():
     """kv_attention's soft-cap (CPU kernel, f16 ring and fresh keys) against the formula written
     out; 0 leaves the scores as they are."""
-    from kernels_cpu import kvquant as kq
+    from edgekv.kernels_cpu import kvquant as kq
 
     rng = np.random.default_rng(3)
     n, H, Hkv, hd, cap = 5, 4, 2, 64, 16
@@ -308,3 +338,70 @@ def test_attention_softcap_kernels_match_numpy():
         p /= p.sum(-1, keepdims=True)
         want = np.einsum("hnt,thd->nhd", p, np.repeat(vals, H // Hkv, axis=1))
         np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_longrope_picks_factors_by_context(root):
+    """phi3: the long factors when the context, padded to 256 as llama.cpp pads it, is past
+    rope.scaling.original_context_length (32 here: always), the short ones within it, as
+    llama.cpp's get_rope_factors; the attention factor either way. On the same weights with an
+    original context of 256, edgekv at n_ctx 256 agrees with llama.cpp there (short factors) on
+    256 positions, and edgekv at its trained 4096 (long factors) does not."""
+    import math
+
+    from edgekv import LLM
+    from edgekv.backends import get_backend
+    from edgekv.gguf_file import GGUFFile
+    from edgekv.models import build_model
+    from edgekv.rope import rope_freqs
+    from edgekv.synth import longrope_factors, write_synthetic
+
+    path = model_file(root, "phi3", "f16")
+    ff = _phi3_factors()
+    for n_ctx in (None, 512, 16):
+        model = build_model(GGUFFile(path), get_backend("reference"), n_ctx=n_ctx)
+        want = rope_freqs(10000.0, 64, factors=ff["rope_factors_long.weight"])
+        np.testing.assert_allclose(model.cfg.rope.freqs, want, rtol=1e-12, err_msg=f"n_ctx={n_ctx}")
+        assert math.isclose(model.cfg.rope.attn_factor, math.sqrt(1 + math.log(16) / math.log(32)), rel_tol=1e-6)
+        assert math.isclose(model.attn_scale, 1.8 / 8.0, rel_tol=1e-6)
+
+    short = fixture("phi3")["short"]
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in short["overrides"].items()}
+    spath = write_synthetic(root / "phi3.short.f16.gguf", "phi3", "tiny", "f16", seed=fixture("phi3")["synth"]["seed"],
+                            progress=False, peaked=True, **kw)
+    assert hashlib.sha256(spath.read_bytes()).hexdigest() == short["f16_sha256"]
+    sff = longrope_factors(dict(rope_dim=64, n_ctx=kw["n_ctx"], rope_longrope=kw["rope_longrope"]))
+    for n_ctx, which in ((200, "short"), (256, "short"), (257, "long"), (None, "long")):
+        cfg = build_model(GGUFFile(spath), get_backend("reference"), n_ctx=n_ctx).cfg
+        want = rope_freqs(10000.0, 64, factors=sff[f"rope_factors_{which}.weight"])
+        np.testing.assert_allclose(cfg.rope.freqs, want, rtol=1e-12, err_msg=f"n_ctx={n_ctx}")
+    short_freqs = rope_freqs(10000.0, 64, factors=sff["rope_factors_short.weight"])
+    np.testing.assert_allclose(LLM(spath, n_ctx=256, kv="f16").cfg.rope.freqs, short_freqs, rtol=1e-12)  # LLM passes n_ctx
+    ids = fixture("phi3")["ids"][: short["n_ctx"]]
+    for n_ctx, ok in ((short["n_ctx"], True), (None, False)):
+        model = build_model(GGUFFile(spath), get_backend("cpu"), n_ctx=n_ctx)
+        lg = teacher_forced_logits(model, ids, n_ctx=short["n_ctx"], kind="f16")
+        tops, kls = row_agreement(lg, short["top_ids"], short["top_logprobs"])
+        top1, kl = float(np.mean(tops)), float(np.mean(kls))
+        print(f"phi3: llama.cpp at n_ctx {short['n_ctx']} vs edgekv built for n_ctx {n_ctx}: top-1 {top1:.3f}, KL {kl:.4f}")
+        assert (top1 >= MIN_TOP1 and kl <= MAX_KL) == ok, (n_ctx, top1, kl)
+
+
+def test_phi3_partial_rotation(tmp_path):
+    """Phi-4-mini's layout: RoPE over the first rope.dimension_count dims of a head (here 48 of
+    64); with a LongRoPE attention factor that partial rotation is refused by name (llama.cpp
+    scales only the rotated dims, which edgekv's attention scale cannot express). A
+    sliding_window past the context (Phi-3.5-mini's 262144) loads: phi3 does not apply it."""
+    from edgekv import LLM
+    from edgekv.errors import UnsupportedModelError
+    from edgekv.synth import write_synthetic
+
+    plain = write_synthetic(tmp_path / "p.gguf", "phi3", "tiny", "q8_0", progress=False, rope_dim=48,
+                            sliding_window=262144)
+    llm = LLM(plain, n_ctx=64, kv="f16")
+    assert llm.cfg.rope_dim == 48 and llm.cfg.rope.n_rot == 48 and llm.cfg.rope.attn_factor == 1.0
+    assert llm.cfg.file_window == 262144 and llm.cfg.windows() == [0, 0]
+    assert np.isfinite(llm.forward([1, 40, 50], llm.new_cache(), 0)).all()
+    scaled = write_synthetic(tmp_path / "s.gguf", "phi3", "tiny", "q8_0", progress=False, rope_dim=48,
+                             rope_longrope=64)
+    with pytest.raises(UnsupportedModelError, match="partial rotation"):
+        LLM(scaled, n_ctx=64, kv="f16")

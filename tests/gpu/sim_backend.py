@@ -26,7 +26,7 @@ def models(tmp_path_factory):
         "llama": write_synthetic(d / "llama.gguf", "llama", "tiny", "q4_0", progress=False, **LLAMA),
         "gemma3": write_synthetic(d / "gemma3.gguf", "gemma3", "tiny", "q8_0", progress=False, **GEMMA),
         # llama3 RoPE factors, qwen3's q/k norms with YaRN and a head wider than n_embd/n_head,
-        # granite's multipliers
+        # granite's multipliers, phi3's LongRoPE
         "llama3": write_synthetic(d / "llama3.gguf", "llama", "tiny", "q8_0", progress=False,
                                   **{**LLAMA, "head_dim": 32}, rope_llama3=(8.0, 1.0, 4.0, 16)),
         "qwen3": write_synthetic(d / "qwen3.gguf", "qwen3", "tiny", "q8_0", progress=False,
@@ -36,6 +36,9 @@ def models(tmp_path_factory):
         # soft-caps at the size of these random weights' scores and logits, so both bend them
         "gemma2": write_synthetic(d / "gemma2.gguf", "gemma2", "tiny", "q8_0", progress=False,
                                   **GEMMA, attn_softcap=0.01, final_softcap=0.3),
+        # phi3: fused attn_qkv and gate/up, LongRoPE's long factors (n_ctx 8 is past 4) and attention factor
+        "phi3": write_synthetic(d / "phi3.gguf", "phi3", "tiny", "q8_0", progress=False,
+                                **{**LLAMA, "n_ctx": 16}, rope_longrope=4),
     }
 
 
@@ -68,7 +71,7 @@ def steps(llm: LLM) -> np.ndarray:
 # only sliding layers (rings of its window, no sinks).
 CASES = [("llama", "f16", None), ("gemma3", "int4", None), ("gemma3", "int4", 2), ("llama", "int8", 2),
          ("llama", "int4", 2), ("llama3", "f16", None), ("qwen3", "int8", 2), ("granite", "f16", None),
-         ("gemma2", "f16", None), ("gemma2", "int8", 2)]
+         ("gemma2", "f16", None), ("gemma2", "int8", 2), ("phi3", "int8", 2)]
 
 
 @pytest.mark.parametrize("arch,kv,recent", CASES)
