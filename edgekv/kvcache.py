@@ -36,6 +36,7 @@ never re-quantizes a neighbour). What the measurements chose for keys (int kinds
   q.(k - mu) = q.k - q.mu, the same for every key of a query, so softmax is unchanged; only the
   sinks, scored with the counter-rotated q_sink, lose q_sink.mu instead, and get
   (q_sink - q).mu added back (`sink_bias`). Gemma-3 int8 top-1 98.6% -> 100% (1024 tokens).
+  A soft-capped score (gemma2: cap * tanh(s / cap)) is not shift-invariant: mu stays 0 there.
 - Channel weights kmul (query-aware, from the first batch): keys are stored as (k - mu) * kmul
   and queries read as q / kmul, which leaves every score exact; with kmul_c = sqrt(rms(q_c) /
   rms(k_c)) the rotation spreads an error that lands, un-rotated, where queries are small
@@ -196,16 +197,17 @@ class LayerKV:
         if self.kmul is None:
             self.kmul = np.ones((self.k.shape[1], hd), np.float32)
 
-    def calibrate(self, q: np.ndarray, k: np.ndarray) -> None:
+    def calibrate(self, q: np.ndarray, k: np.ndarray, offset: bool = True) -> None:
         """The first batch written to an empty int ring sets the key offset mu (its mean key)
         and the channel weights kmul = sqrt(rms(q_c) / rms(k_c - mu_c)), geometric mean 1,
         from its queries q (n, H, hd) and keys k (n, Hkv, hd). Any values keep attention
-        exact (see the module doc); these make the int4 error land where queries are small."""
+        exact (see the module doc); these make the int4 error land where queries are small.
+        offset=False keeps mu at 0: a soft-capped score (gemma2) is not shift-invariant."""
         if not self.rotated or self.n_written:
             return
         n, H, hd = q.shape
         hkv = k.shape[1]
-        self.mu[...] = k.mean(axis=0)
+        self.mu[...] = k.mean(axis=0) if offset else 0.0
         rq = np.sqrt(np.mean(np.square(q.reshape(n, hkv, H // hkv, hd), dtype=np.float64), axis=(0, 2)))  # (Hkv, hd)
         rk = np.sqrt(np.mean(np.square(k - self.mu, dtype=np.float64), axis=0))
 

@@ -60,6 +60,14 @@ SIZES: dict[str, dict[str, dict]] = {
         "8b":   dict(n_layer=40, n_embd=4096, n_head=32, n_head_kv=8, n_ff=12800, n_vocab=49155, n_ctx=131072,
                      rope_base=10000000.0),
     },
+    "gemma2": {
+        # layers 0 and 2 slide over 16 tokens, 1 and 3 see everything
+        "tiny": dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_vocab=320,
+                     n_ctx=512, sliding_window=16),
+        # Gemma-2-9B
+        "9b":   dict(n_layer=42, n_embd=3584, n_head=16, n_head_kv=8, head_dim=256, n_ff=14336, n_vocab=256000,
+                     n_ctx=8192, sliding_window=4096),
+    },
     "phi3": {
         # GQA 4/2 (Phi-4-mini has it; Phi-3.5-mini has 32/32), fused attn_qkv and gate/up ffn_up
         "tiny": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320, n_ctx=512),
@@ -83,6 +91,7 @@ SIZES: dict[str, dict[str, dict]] = {
 # rope_longrope (phi3): original context -> LongRoPE factor tensors and attention factor.
 DEFAULTS = {
     "llama": dict(rope_base=10000.0, norm_eps=1e-5, rope_llama3=None, rope_yarn=None),
+    "gemma2": dict(rope_base=10000.0, norm_eps=1e-6, attn_softcap=50.0, final_softcap=30.0, score_std=3.0),
     "gemma3": dict(rope_base=1e6, norm_eps=1e-6),
     "qwen3": dict(rope_base=1e6, norm_eps=1e-6, rope_yarn=None),
     "granite": dict(rope_base=10000.0, norm_eps=1e-5, rope_yarn=None, embedding_scale=12.0, residual_scale=0.22,
@@ -112,6 +121,7 @@ SPECIALS = {
     "llama": ["<unk>", "<s>", "</s>"],
     "qwen3": ["<unk>", "<s>", "</s>"],  # a SentencePiece vocabulary stands in for their BPE ones
     "granite": ["<unk>", "<s>", "</s>"],
+    "gemma2": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
     # Phi-3's added tokens (ids 32000.. there) right after SentencePiece's three
     "phi3": ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
     "gemma3": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
@@ -120,6 +130,7 @@ SPECIAL_IDS = {  # unk, bos, eos, pad (None = no key)
     "llama": dict(unk=0, bos=1, eos=2, pad=None),
     "qwen3": dict(unk=0, bos=1, eos=2, pad=None),
     "granite": dict(unk=0, bos=1, eos=2, pad=None),
+    "gemma2": dict(unk=3, bos=2, eos=1, pad=0),
     "phi3": dict(unk=0, bos=1, eos=3, pad=3),  # eos and pad <|endoftext|>, as Phi-3's
     "gemma3": dict(unk=3, bos=2, eos=1, pad=0),
 }
@@ -141,7 +152,7 @@ def write_synthetic(path: str | os.PathLike, arch: str = "llama", size: str = "7
 
     arch/size pick a row of SIZES; `overrides` replace any of its fields (n_layer, n_embd,
     n_head, n_head_kv, n_ff, n_vocab, n_ctx, head_dim, sliding_window, rope_base, norm_eps,
-    rope_llama3, rope_yarn, granite's multipliers, phi3's rope_longrope and rope_dim). qtype is one of QTYPES. peaked: structured
+    rope_llama3, rope_yarn, granite's multipliers, gemma2's soft-caps and peaked score_std, phi3's rope_longrope and rope_dim). qtype is one of QTYPES. peaked: structured
     weights whose next-token distributions are peaked (`_peaked_weights`; f32, f16 or q8_0, small
     models: they are made in memory) instead of random blocks. Same arguments, same bytes. The
     file appears under its name only once complete (written to `<path>.part`, then renamed).
@@ -155,9 +166,9 @@ def write_synthetic(path: str | os.PathLike, arch: str = "llama", size: str = "7
         raise UnsupportedModelError(f"synthetic qtype {qtype!r} is not supported (choose {', '.join(QTYPES)})")
     bulk, ftype = QTYPES[qtype]
     if peaked and (bulk not in PEAKED_TYPES or arch == "gemma3"):
-        raise UnsupportedModelError(f"peaked synthetic weights: untied architectures, as {', '.join(PEAKED_TYPES)}")
+        raise UnsupportedModelError(f"peaked synthetic weights: not gemma3; as {', '.join(PEAKED_TYPES)}")
     plan = _tensor_plan(arch, hp, bulk)
-    dense = _peaked_weights(arch, hp, seed) if peaked else None
+    dense = (_peaked_gemma2 if arch == "gemma2" else _peaked_weights)(arch, hp, seed) if peaked else None
     tokens, scores, types = _vocab(arch, hp["n_vocab"])
 
     path = Path(path).expanduser()
@@ -238,14 +249,14 @@ def _tensor_plan(arch: str, hp: dict, bulk: str) -> list[tuple[str, tuple[int, .
             t = K_FALLBACK[t]
         return (name, shape, t)
 
-    tied = arch == "gemma3"  # Gemma 3 reuses token_embd as the output projection
+    tied = arch in ("gemma2", "gemma3")  # Gemma reuses token_embd as the output projection
     plan = [weight("token_embd.weight", (V, e), out_type if tied else bulk)]
     if hp.get("rope_llama3"):
         plan.append(("rope_freqs.weight", (hp["head_dim"] // 2,), "F32"))
     if hp.get("rope_longrope"):
         plan += [(name, (hp["rope_dim"] // 2,), "F32") for name in LONGROPE_TENSORS]
     norms = ["attn_norm", "ffn_norm"]
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         norms += ["post_attention_norm", "post_ffw_norm"]
     for i in range(hp["n_layer"]):
         p = f"blk.{i}."
@@ -303,8 +314,11 @@ def _add_metadata(w, arch, size, qtype, ftype, hp, seed, tokens, scores, types) 
     else:
         w.add_uint32(f"{a}.attention.key_length", hp["head_dim"])
         w.add_uint32(f"{a}.attention.value_length", hp["head_dim"])
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_uint32(f"{a}.attention.sliding_window", hp["sliding_window"])
+    if arch == "gemma2":
+        w.add_float32(f"{a}.attn_logit_softcapping", hp["attn_softcap"])
+        w.add_float32(f"{a}.final_logit_softcapping", hp["final_softcap"])
     if hp.get("rope_yarn"):
         factor, n_orig = hp["rope_yarn"]
         w.add_string(f"{a}.rope.scaling.type", "yarn")
@@ -385,7 +399,7 @@ def _tensor_chunks(rng, arch, name, shape, qt, std):
     """uint8 chunks of the tensor's bytes, in file order, each at most ~CHUNK_BYTES."""
     if len(shape) == 1:
         n = shape[0]
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             # Gemma's GGUF norm weights include the "+1"; keep them near 1 but not all equal.
             v = 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
         else:
@@ -561,6 +575,65 @@ def _peaked_weights(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
     share = 1.0 / np.sqrt(1.0 + L * (ATTN_OUT**2 + FFN_OUT**2))  # E[t]'s part of the normed residual
     out["output.weight"] = (E[pred] * np.float32(PEAK / (share * e)) + gauss(V, e) * np.float32(SPREAD / np.sqrt(e))) \
         * np.float32(g["logit_scale"])
+    return out
+
+
+# gemma2 is tied (llama.cpp always reads its output from token_embd), so the successor has to
+# come from a layer: the last FFN is made (nearly) linear, M xn, and M maps each token's
+# embedding to s * E[succ] where s are random signs on output_norm (which also cancel the
+# token's own |E[t]|^2). The gate reads N_CONST embedding dims that hold the same value for
+# every token (an equal shift of every logit) and that no layer writes: gelu(gate) is a
+# positive constant per token, which the post-FFN norm divides out.
+N_CONST, SUCC_GAIN, SUCC_LOGIT, G2_ATTN_OUT = 8, 2.5, 3.0, 0.6  # constant dims; rms of the successor
+# branch and of each attention branch; output gain (nats of logit std)
+
+
+def _peaked_gemma2(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
+    """float32 arrays by tensor name for a peaked, tied gemma2 (see above); attention scores
+    of std hp["score_std"] so that a small attn_softcap in the metadata is reached."""
+    e, ff, V, hd = hp["n_embd"], hp["n_ff"], hp["n_vocab"], hp["head_dim"]
+    H, Hkv, L = hp["n_head"], hp["n_head_kv"], hp["n_layer"]
+    rng = np.random.default_rng([seed, 0x9E2A2])
+    gauss = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    c = e - N_CONST  # the token-specific dims
+    E = gauss(V, e)
+    E[:, c:] = 1.0
+    out: dict[str, np.ndarray] = {"token_embd.weight": E / np.float32(np.sqrt(e))}  # x = E after sqrt(e)
+    qk_std = np.sqrt(hp["score_std"] / e)
+    sign = np.where(rng.random(e) < 0.5, -1.0, 1.0).astype(np.float32)
+    pred = np.argsort(rng.permutation(V))  # pred[u]: the token whose successor is u
+    succ = np.argsort(pred)
+    # M (c, c): E[t] -> sign * E[succ[t]] on the token dims, least squares with a ridge of V
+    # (plain least squares blows up the small directions, and with them what attention added)
+    A, T = E[:, :c].astype(np.float64), (E[succ][:, :c] * sign[:c]).astype(np.float64)
+    M = np.linalg.solve(A.T @ A + V * np.eye(c), A.T @ T).T.astype(np.float32)
+    for i in range(L):
+        p = f"blk.{i}."
+        last = i == L - 1
+        out[p + "attn_norm.weight"] = np.ones(e, np.float32)
+        out[p + "ffn_norm.weight"] = np.ones(e, np.float32)
+        out[p + "post_attention_norm.weight"] = np.full(e, G2_ATTN_OUT, np.float32)
+        out[p + "post_ffw_norm.weight"] = np.full(e, SUCC_GAIN if last else FFN_OUT, np.float32)
+        out[p + "attn_q.weight"] = gauss(H * hd, e) * np.float32(qk_std)
+        out[p + "attn_k.weight"] = gauss(Hkv * hd, e) * np.float32(qk_std)
+        out[p + "attn_v.weight"] = gauss(Hkv * hd, e) / np.float32(np.sqrt(e))
+        wo = gauss(e, H * hd) / np.float32(np.sqrt(H * hd))
+        wo[c:] = 0  # the constant dims stay constant
+        out[p + "attn_output.weight"] = wo
+        if last:  # gelu(gate) a positive constant, up: the token dims, down: M on them
+            gate = np.zeros((ff, e), np.float32)
+            gate[:, c:] = 2.0 / N_CONST
+            up = np.zeros((ff, e), np.float32)
+            up[:c, :c] = np.eye(c, dtype=np.float32)
+            down = np.zeros((e, ff), np.float32)
+            down[:c, :c] = M
+        else:
+            gate = gauss(ff, e) / np.float32(np.sqrt(e))
+            up = gauss(ff, e) / np.float32(np.sqrt(e))
+            down = gauss(e, ff) / np.float32(np.sqrt(ff))
+            down[c:] = 0
+        out[p + "ffn_gate.weight"], out[p + "ffn_up.weight"], out[p + "ffn_down.weight"] = gate, up, down
+    out["output_norm.weight"] = sign * np.float32(SUCC_LOGIT)
     return out
 
 

@@ -35,7 +35,7 @@ _NO_RUN = (_NO_W, _NO_W, _NO_W)
 
 
 @njit(cache=True, error_model="numpy")
-def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_written, par):
+def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_written, par, softcap):
     wqkv, tqkv, mqkv, wo, to, wgu, tgu, mgu, wdown, tdown = W
     attn_norm, qkv_bias, q_norm, k_norm, post_attn, ffn_norm, post_ffw = N
     H, Hkv, hd, act = dims
@@ -70,8 +70,8 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     v = qkv3[:, H + Hkv :].copy()
     a = np.empty((1, H, hd), np.float32)
     # numba's disk cache tracks this file only: edit it whenever _decode_core changes, or a stale
-    # compiled copy of the old one stays in use (it read every ring slot; it reads the filled ones now)
-    _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a)
+    # compiled copy of the old one stays in use (it takes the attention soft-cap now)
+    _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a, softcap)
     if res_scale != 1:
         a *= res_scale
     o = np.empty((1, x.shape[1]), np.float32)
@@ -113,11 +113,12 @@ def _vec(a, n: int, what: str) -> np.ndarray:
 
 def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_attn_norm, ffn_norm, gate_up, act,
                ffn_down, post_ffw_norm, n_head: int, n_head_kv: int, head_dim: int, eps: float, scale: float,
-               rope_freqs: np.ndarray, rope_neox: bool, residual_scale: float = 1.0) -> tuple:
+               rope_freqs: np.ndarray, rope_neox: bool, residual_scale: float = 1.0, softcap: float = 0.0) -> tuple:
     """A block's weights (QWeights, fused ones as tuples of runs) and norm vectors (float32;
     None = that step is absent) checked once and packed for `decode_block`. act: "silu" or
     "gelu"; rope_freqs (n_rot/2,) float64, any per-pair frequencies (edgekv/rope.py); RoPE
-    turns q and k (all heads). residual_scale: both branches' outputs times this."""
+    turns q and k (all heads). residual_scale: both branches' outputs times this. softcap:
+    the attention scores' soft-cap (kvquant.kv_attention's; 0 = off)."""
     H, Hkv, hd = n_head, n_head_kv, head_dim
     d = attn_output.m
     wqkv, tqkv, mqkv = _runs(qkv)
@@ -134,7 +135,8 @@ def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_at
     N = (_vec(attn_norm, d, "attn_norm"), _vec(qkv_bias, sum(mqkv), "qkv_bias"), _vec(q_norm, hd, "q_norm"),
          _vec(k_norm, hd, "k_norm"), _vec(post_attn_norm, d, "post_attn_norm"), _vec(ffn_norm, d, "ffn_norm"),
          _vec(post_ffw_norm, d, "post_ffw_norm"))
-    return W, N, (H, Hkv, hd, PRE[act]), np.float64(eps), (np.float32(scale), np.float32(residual_scale)), \
+    return W, N, (H, Hkv, hd, PRE[act]), np.float64(eps), \
+        (np.float32(scale), np.float32(residual_scale), np.float32(softcap)), \
         (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv)
 
 
@@ -143,7 +145,7 @@ def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, n_
     in place through the block `pack` (block_pack) over a layer's cache (kvquant.kv_decode_layer,
     n_written tokens written; shift as kv_decode's). Unchecked: a backend's decode step. Returns x;
     the caller advances the cache's write cursor."""
-    W, N, dims, eps, (scale, res_scale), (freqs, neox, heads) = pack
+    W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads) = pack
     _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, shift), layer, n_written,
-                (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()))
+                (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), softcap)
     return x

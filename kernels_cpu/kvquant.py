@@ -531,7 +531,7 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
     # sinks: ring slots 0:n_sink, and the exact copies of their positions (recent slots
     # 0:n_sink, fresh keys at positions < n_sink)
     has_sink = n_sink > 0
-    rk, rv, rpos, recent, exact_lo, fresh_all, sb, n_first = X
+    rk, rv, rpos, recent, exact_lo, fresh_all, sb, n_first, softcap = X
     has_sb = sb.shape[0] > 0
     n_res = rpos.shape[0]
     qb = np.empty((rows, hd), np.float32)  # (rows, hd)
@@ -645,6 +645,9 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
                                 s += qb[r, c] * kt[jj, c]
                         pr[hh, jj] = s
                         jj += 1
+                if softcap > _F0:  # gemma2's attention logit soft-cap, on the scaled score
+                    for jj in range(nt):
+                        pr[hh, jj] = softcap * np.tanh(pr[hh, jj] / softcap)
                 mt = _NEG
                 for jj in range(nt):
                     if ok[jj]:
@@ -841,6 +844,7 @@ def kv_attention(
     first: int = 0,
     fresh_all: bool = True,
     sink_bias: np.ndarray | None = None,
+    softcap: float = 0.0,
     check: bool = True,
 ) -> np.ndarray:
     """softmax(q K^T * scale + mask) V over the union of a ring (k, k_scale, v, v_scale of
@@ -865,7 +869,8 @@ def kv_attention(
     seen only under that rule; fresh keys under it too unless fresh_all (then always: the
     batch is not in the ring yet). sink_bias (n, H) float32, when given, is added (times
     scale) to every sink score: the part of a key offset subtracted before storing that
-    q_sink does not share with q. Returns out (n, H, hd) float32.
+    q_sink does not share with q. softcap > 0: every scaled score s becomes
+    softcap * tanh(s / softcap) before the softmax (gemma2; 0 = off). Returns out (n, H, hd) float32.
 
     check=False skips the checks (a backend's decode step; arrays as the cache made them, every
     optional one given, out included): at one token they cost more than the attention."""
@@ -874,7 +879,7 @@ def kv_attention(
         _attn_core(_KIND_ID[kind], q, q_sink, q_pos, _views(kind, k, k_scale), _views(kind, v, v_scale), pos,
                    n_sink, fresh_k, fresh_v, fresh_pos, np.float32(scale), window, _perm(kind, hd), v_rotated,
                    hadamard_block(hd), (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent,
-                                        exact_lo, fresh_all, sink_bias, first),
+                                        exact_lo, fresh_all, sink_bias, first, np.float32(softcap)),
                    min(q.shape[0], KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
         return out
     if q.dtype != np.float32 or q.ndim != 3 or not q.flags.c_contiguous:
@@ -917,7 +922,7 @@ def kv_attention(
     _attn_core(_KIND_ID[kind], q, q_sink, q_pos, K, V, pos, int(n_sink), fresh_k, fresh_v, fresh_pos,
                np.float32(scale), int(window), _perm(kind, hd), bool(v_rotated), hadamard_block(hd),
                (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, int(recent), int(exact_lo),
-                bool(fresh_all), sink_bias, int(first)), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
+                bool(fresh_all), sink_bias, int(first), np.float32(softcap)), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
     return out
 
 
@@ -928,7 +933,7 @@ def kv_attention(
 
 
 @njit(**_EXACT)
-def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out):
+def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out, softcap):
     kind, K, V, pos, n_sink, span, R, mu, kmul, rotated, perm, B, rule = L
     _, n_head, hd = q.shape
     n_head_kv = k.shape[1]
@@ -995,7 +1000,7 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out):
     # the filled slots only (LayerKV.fill): slots past them are empty and hold no -1s
     _attn_core(kind, qo, qs, q_pos, K, V, pos[: min(n_written + 1, cap)], n_sink, fk, fv, fpos, scale, span, perm,
                v_rotated, B,
-               (rk, rv, rpos, recent, e0, fresh_all, sb, first), q.shape[0], par[0], par[1], par[2], out)
+               (rk, rv, rpos, recent, e0, fresh_all, sb, first, softcap), q.shape[0], par[0], par[1], par[2], out)
     if m:  # LayerKV.write_recent
         row = p if p < first else first + p % recent
         for g in range(n_head_kv):
@@ -1020,15 +1025,15 @@ def kv_decode_layer(kind: str, k_arr: np.ndarray, k_scale: np.ndarray, v_arr: np
 
 
 def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, n_written: int,
-              rope: tuple, scale: float, out: np.ndarray) -> np.ndarray:
+              rope: tuple, scale: float, out: np.ndarray, softcap: float = 0.0) -> np.ndarray:
     """One token through a layer's cache (kv_decode_layer) in one call, unchecked (a backend's
     decode step): what kv_space, kv_store of k and v at the ring's next slot (n_written,
     wrapping past the sinks), kv_attention (the token itself read exact when the layer keeps
     recent copies) and the recent-slot write do one after another; int4 with the "fit" rule.
     q (1, H, hd), k, v (1, Hkv, hd) float32 after RoPE, q_pos (1,) int64. rope (inv_freq
     (n_rot/2,) float64, neox, shift): once the ring is full, sinks are scored by q turned back
-    by shift positions (kv_attention's q_sink and sink_bias). Writes out (1, H, hd) and returns
-    it; the caller advances its write cursor."""
+    by shift positions (kv_attention's q_sink and sink_bias). softcap: kv_attention's. Writes
+    out (1, H, hd) and returns it; the caller advances its write cursor."""
     _decode_core(layer, q, k, v, q_pos, n_written, rope, np.float32(scale),
-                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), out)
+                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), out, np.float32(softcap))
     return out

@@ -321,7 +321,7 @@ def _key_source(j, n_ring, n_res, pos, rpos, fpos, n_sink):
 
 @cuda.jit
 def _attn_kernel(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_ring, n_sink, fk, fv, fpos,
-                 rk, rv, rpos, recent, exact_lo, first, fresh_all, sb, scale, window, out):
+                 rk, rv, rpos, recent, exact_lo, first, fresh_all, sb, scale, window, softcap, out):
     nh = q.shape[1]
     hd = q.shape[2]
     i = cuda.blockIdx.x // nh
@@ -387,6 +387,8 @@ def _attn_kernel(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_ring, n_
                             sc += qsh[c] * fk[t, g, c]
                 if sink:
                     sc += bias
+                if softcap > _F0:  # gemma2's attention logit soft-cap
+                    sc = softcap * math.tanh(sc / softcap)
         red[tid] = sc
         cuda.syncthreads()
         _tree_max(red, tid, nt)
@@ -558,14 +560,15 @@ def kv_load(kind: str, ring: tuple, slots, n_head_kv: int, hd: int, rotate: bool
 def kv_attention(kind: str, q, q_sink, q_pos, K: tuple, V: tuple, pos, n_ring: int, n_sink: int,
                  fresh_k, fresh_v, fresh_pos, scale: float, window: int, out=None, *, recent_k=None,
                  recent_v=None, recent_pos=None, recent: int = 0, exact_lo: int = 0, first: int = 0,
-                 fresh_all: bool = True, sink_bias=None):
+                 fresh_all: bool = True, sink_bias=None, softcap: float = 0.0):
     """softmax(q K^T * scale + mask) V over ring slots 0..n_ring-1 (K, V = ring_arrays(...), pos
     (cap,) int64 on the device, -1 = empty), the exact slots recent_k, recent_v (r, Hkv, hd)
     uint16 half bits at recent_pos (r,) int64 (None = none) and fresh keys fresh_k, fresh_v
     (m, Hkv, hd) float32 at fresh_pos (m,) int64: the semantics of
     kernels_cpu.kvquant.kv_attention, arguments of the same names (q_sink None = q; keys in
     stored space; v never rotated; positions below `first` and the last `recent` from exact_lo
-    on read from exact copies; sink_bias (n, H) float32 or None). q (n, H, hd) float32.
+    on read from exact copies; sink_bias (n, H) float32 or None; softcap > 0: scores
+    softcap * tanh(s / softcap)). q (n, H, hd) float32.
     Returns out (n, H, hd)."""
     _f32_3d("kv_attention", q)
     n, nh, hd = q.shape
@@ -599,5 +602,5 @@ def kv_attention(kind: str, q, q_sink, q_pos, K: tuple, V: tuple, pos, n_ring: i
     if n:
         _launch(_attn_kernel, n * nh, t, _KIND_ID[kind], q, q_sink, q_pos, *K, *V, pos, int(n_ring), int(n_sink),
                 fresh_k, fresh_v, fresh_pos, recent_k, recent_v, recent_pos, int(recent), int(exact_lo), int(first),
-                bool(fresh_all), sink_bias, np.float32(scale), int(window), out)
+                bool(fresh_all), sink_bias, np.float32(scale), int(window), np.float32(softcap), out)
     return out

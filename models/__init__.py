@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "qwen2": "llama",  # llama graph + QKV bias + NeoX RoPE
     "qwen3": "qwen3",
     "granite": "llama",  # llama graph + embedding, residual, attention and logit multipliers
+    "gemma2": "gemma2",
     "gemma3": "gemma3",
     "phi3": "phi3",  # fused qkv and gate/up, LongRoPE
 }

@@ -1,5 +1,6 @@
 """The newer architectures (llama with llama3 RoPE factors, qwen3 with YaRN, granite, llama with
-Mistral-Nemo's key_length heads, phi3 with LongRoPE) against llama.cpp on small synthetic models with peaked
+Mistral-Nemo's key_length heads, gemma2 with soft-caps and sliding windows, phi3 with LongRoPE)
+against llama.cpp on small synthetic models with peaked
 next-token distributions (write_synthetic(peaked=True); fixtures/record_archs.py recorded
 llama.cpp on them), teacher-forced at every one of 400 positions, F16, Q8_0 (both written here
 by edgekv synth, byte-identical to what llama.cpp saw) and Q4_K_M (llama.cpp's quantizer, kept in fixtures/archs/). Each feature is shown to
@@ -19,7 +20,7 @@ import pytest
 from conftest import FIXTURES, row_agreement, teacher_forced_logits
 
 MIN_TOP1, MAX_KL = 0.95, 0.01
-CASES = ("llama3", "qwen3", "granite", "nemo", "phi3")  # nemo: llama with 128-wide heads from key_length
+CASES = ("llama3", "qwen3", "granite", "nemo", "gemma2", "phi3")  # nemo: llama with 128-wide heads from key_length
 TYPES = ("f16", "q8_0", "q4_k_m")
 
 
@@ -171,6 +172,18 @@ def _off_attention_scale(model):
     model.attn_scale = 1.0 / np.sqrt(model.cfg.head_dim)
 
 
+def _off_attn_softcap(model):
+    model.cfg = dataclasses.replace(model.cfg, attn_softcap=0.0)
+
+
+def _off_final_softcap(model):
+    model.cfg = dataclasses.replace(model.cfg, final_softcap=0.0)
+
+
+def _off_sliding_window(model):
+    model.cfg = dataclasses.replace(model.cfg, sliding_window=0)  # windows(): every layer global
+
+
 def _phi3_factors() -> dict:
     from edgekv.synth import longrope_factors
 
@@ -202,7 +215,8 @@ def _on_sliding_window(model):  # Phi-3's attention.sliding_window applied, whic
 @pytest.mark.parametrize("case,switch_off", [
     ("llama3", _off_llama3_factors), ("qwen3", _off_yarn), ("qwen3", _off_qk_norm),
     ("granite", _off_residual_scale), ("granite", _off_attention_scale), ("granite", _off_embedding_scale),
-    ("granite", _off_logit_scale), ("phi3", _off_long_factors), ("phi3", _off_longrope),
+    ("granite", _off_logit_scale), ("gemma2", _off_attn_softcap), ("gemma2", _off_final_softcap),
+    ("gemma2", _off_sliding_window), ("phi3", _off_long_factors), ("phi3", _off_longrope),
     ("phi3", _off_attention_scale), ("phi3", _on_sliding_window),
 ])
 def test_each_feature_matters(root, case, switch_off):
@@ -219,11 +233,14 @@ def test_each_feature_matters(root, case, switch_off):
 
 
 def _decode_logits(model, ids: list[int], kind: str, fused: bool, n_ctx: int = 40) -> np.ndarray:
-    """8 tokens prefilled, then one at a time through a ring of n_ctx (wraps: sinks shift)."""
+    """8 tokens prefilled, then one at a time through a ring of n_ctx (wraps: sinks shift), or of
+    the window on a sliding-window layer (wraps too)."""
     from edgekv.kvcache import KVCache
 
     cfg = model.cfg
-    cache = KVCache([n_ctx] * cfg.n_layer, cfg.n_head_kv, cfg.head_dim, kind=kind)
+    windows = cfg.windows()
+    cache = KVCache([min(w, n_ctx) if w else n_ctx for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows,
+                    kind=kind)
     saved = model.blocks
     if not fused:
         model.blocks = [None] * len(saved)
@@ -314,6 +331,50 @@ def test_yarn_magnitude_folds_into_the_attention_scale(root):
     model = load(model_file(root, "qwen3", "q8_0"), "reference")
     assert math.isclose(model.cfg.rope.attn_factor, 1 + 0.1 * math.log(4.0))
     assert math.isclose(model.attn_scale, model.cfg.rope.attn_factor**2 / math.sqrt(model.cfg.head_dim))
+
+
+def test_gemma2_windowed_layers_use_rings(root):
+    """llama.cpp's gemma2 rule: even layers slide (window 16 here), odd ones are global; an LLM's
+    cache gives the sliding layers rings of the window, and after 400 tokens those have wrapped."""
+    from edgekv import LLM
+
+    llm = LLM(model_file(root, "gemma2", "q8_0"), n_ctx=512, kv="int8")
+    assert llm.cfg.windows() == [16, 0, 16, 0]
+    cache = llm.new_cache()
+    assert [L.capacity for L in cache.layers] == [16, 512, 16, 512]
+    assert [L.span for L in cache.layers][::2] == [16, 16]
+    llm.forward(fixture("gemma2")["ids"], cache, 0)
+    assert all(L.n_written == 400 for L in cache.layers)
+    assert sorted(cache[0].pos[: cache[0].fill]) == list(range(384, 400))  # the last 16 positions
+
+
+def test_attention_softcap_kernels_match_numpy():
+    """kv_attention's soft-cap (CPU kernel, f16 ring and fresh keys) against the formula written
+    out; 0 leaves the scores as they are."""
+    from edgekv.kernels_cpu import kvquant as kq
+
+    rng = np.random.default_rng(3)
+    n, H, Hkv, hd, cap = 5, 4, 2, 64, 16
+    q = rng.standard_normal((n, H, hd), dtype=np.float32) * 2
+    ks = rng.standard_normal((cap + n, Hkv, hd), dtype=np.float32) * 2
+    vs = rng.standard_normal((cap + n, Hkv, hd), dtype=np.float32)
+    k_ring, v_ring = ks[:cap].astype(np.float16), vs[:cap].astype(np.float16)
+    pos = np.arange(cap, dtype=np.int64)
+    q_pos = np.arange(cap, cap + n, dtype=np.int64)
+    keys = np.concatenate([k_ring.astype(np.float32), ks[cap:]])  # (T, Hkv, hd)
+    vals = np.concatenate([v_ring.astype(np.float32), vs[cap:]])
+    k_pos = np.concatenate([pos, q_pos])
+    for softcap in (0.0, 3.0):
+        got = kq.kv_attention("f16", q, None, q_pos, k_ring, None, v_ring, None, pos, 0, ks[cap:], vs[cap:], q_pos,
+                              0.125, 0, False, softcap=softcap)
+        s = np.einsum("nhd,thd->hnt", q, np.repeat(keys, H // Hkv, axis=1)).astype(np.float64) * 0.125
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        s = np.where((q_pos[:, None] >= k_pos[None, :])[None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = np.einsum("hnt,thd->nhd", p, np.repeat(vals, H // Hkv, axis=1))
+        np.testing.assert_allclose(got, want, atol=2e-5)
 
 
 def test_longrope_picks_factors_by_context(root):

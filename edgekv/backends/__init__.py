@@ -17,14 +17,15 @@ The operations (x float32, n = tokens in the batch):
       variant, llama3 factors and YaRN included, is just frequencies); heads=h rotates only
       heads [0, h) (q and k of a fused QKV)
   silu_mul(g, u) / gelu_mul(g, u) -> act(g) * u
-  attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, rope) -> (n, H, hd)
+  attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, rope, softcap=0)
+      -> (n, H, hd)
       q attends to the cached tokens of kv and to this batch's own k/v, causally by position and
       within kv.span; sink slots are seen through q counter-rotated by kv.sink_shift (rope: the
-      layer's Rope). The batch's k/v are stored in kv: first when kv.write_first(n),
+      layer's Rope); softcap > 0: scaled scores s become softcap * tanh(s / softcap) (gemma2). The batch's k/v are stored in kv: first when kv.write_first(n),
       else after attending over (ring, batch).
   decoder_block(attn_norm=, qkv=, qkv_bias=, q_norm=, k_norm=, attn_output=, post_attn_norm=,
                 ffn_norm=, gate_up=, act=, ffn_down=, post_ffw_norm=, n_head=, n_head_kv=,
-                head_dim=, eps=, scale=, rope=[, residual_scale=]) -> handle or None
+                head_dim=, eps=, scale=, rope=[, residual_scale=, softcap=]) -> handle or None
       a whole pre-norm block (kernels_cpu/block.py writes it out; None for an absent step)
       prepared once for run_block; None where the backend has no fused block
   run_block(handle, x (1, d), pos (1,), kv) -> bool

@@ -190,7 +190,7 @@ class CPUBackend:
     def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.ops.add_(a, np.ascontiguousarray(b))
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope) -> np.ndarray:
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope, softcap: float = 0.0) -> np.ndarray:
         # The kernels run unchecked (check=False): the cache made every ring array, the model
         # every activation; at one token the checks and numpy glue used to cost more than the
         # attention itself, so the decode path here is a few jitted calls and no fancy indexing.
@@ -201,7 +201,7 @@ class CPUBackend:
             state, n_written, shift = self._decode_state(kv, q_pos)
             out = kq.kv_decode(state, q, np.ascontiguousarray(k, dtype=np.float32),
                                np.ascontiguousarray(v, dtype=np.float32), q_pos, n_written,
-                               (rope.freqs, rope.neox, shift), scale, np.empty_like(q))
+                               (rope.freqs, rope.neox, shift), scale, np.empty_like(q), softcap)
             kv.n_written += 1
             return out
         q_sink, sink_bias = q, kq.NO_SINK_BIAS
@@ -213,7 +213,7 @@ class CPUBackend:
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
         if kv.rotated:  # LayerKV.query_space / key_space, with the kernel's Hadamard
-            kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
+            kv.calibrate(q, k, offset=not softcap)  # on an empty ring: the key offset and channel weights
             if shift:
                 qmul = np.repeat(kv.kmul, q.shape[1] // kv.kmul.shape[0], axis=0)  # (H, hd)
                 q_sink = kq.hadamard_(q_sink / qmul)
@@ -237,7 +237,7 @@ class CPUBackend:
         out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos[: kv.fill],
                               kv.n_sink, fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
                               recent_v=kv.rv, recent_pos=kv.rpos, recent=kv.recent, exact_lo=e0, first=kv.first,
-                              fresh_all=not first, sink_bias=sink_bias, check=False)
+                              fresh_all=not first, sink_bias=sink_bias, softcap=softcap, check=False)
         if not first:  # attend over (ring, this batch), then store
             self._store(kv, k_stored, v, q_pos)
         kv.write_recent(k_stored, v, q_pos)

@@ -368,12 +368,12 @@ class CUDABackend:
         self.ops.add_(ad, b.contiguous())
         return DeviceArray(ad)
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope):
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope, softcap: float = 0.0):
         """The CPU backend's attention step (edgekv/backends/cpu.py) on the device: keys moved
         into the ring's key space (int kinds), the batch stored before or after it attends, its
         last tokens kept exact."""
         if not isinstance(q, DeviceArray):
-            return self.cpu.attention(q, q_pos, kv, self._host(k), self._host(v), scale, rope)
+            return self.cpu.attention(q, q_pos, kv, self._host(k), self._host(v), scale, rope, softcap)
         kq, ops = self.kvq, self.ops
         r = self._ring(kv)
         n = q_pos.shape[0]
@@ -387,7 +387,7 @@ class CUDABackend:
                 sb = kq.sink_bias(qd, q_sink, r.mu)
         if kv.rotated:  # new arrays: the caller's q stays as it was
             if kv.n_written == 0:  # an empty ring: the key offset and channel weights, on the host
-                kv.calibrate(qd.copy_to_host(), kd.copy_to_host())
+                kv.calibrate(qd.copy_to_host(), kd.copy_to_host(), offset=not softcap)
                 r.mu.copy_to_device(kv.mu)
                 r.kmul.copy_to_device(kv.kmul)
             if q_sink is not None:
@@ -407,7 +407,7 @@ class CUDABackend:
         n_ring = min(kv.n_written, kv.capacity)  # a ring fills from slot 0: later slots are empty
         out = kq.kv_attention(kv.kind, qd, q_sink, dpos, r.K, r.V, r.pos, n_ring, kv.n_sink, fk, fv, fpos, scale,
                               kv.span, recent_k=r.rk, recent_v=r.rv, recent_pos=r.rpos, recent=kv.recent,
-                              exact_lo=e0, first=kv.first, fresh_all=not first, sink_bias=sb)
+                              exact_lo=e0, first=kv.first, fresh_all=not first, sink_bias=sb, softcap=softcap)
         if not first:  # attended over (ring, this batch): now store it
             self._store(kv, r, ks, vd, q_pos)
         self._write_recent(kv, r, ks, vd, q_pos)

@@ -93,9 +93,9 @@ class ReferenceBackend:
         c = np.float32(np.sqrt(2.0 / np.pi))
         return (0.5 * g * (1.0 + np.tanh(c * (g + 0.044715 * g**3))) * u).astype(np.float32)
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope) -> np.ndarray:
+    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope, softcap: float = 0.0) -> np.ndarray:
         n, H, hd = q.shape
-        kv.calibrate(q, k)  # on an empty ring: the key offset and channel weights
+        kv.calibrate(q, k, offset=not softcap)  # on an empty ring: the key offset and channel weights
         k_stored = kv.key_space(k)  # (n, Hkv, hd) as the ring stores keys
         e0 = kv.exact_lo(q_pos)  # before this batch lands in the recent slots
         first = kv.write_first(n)
@@ -124,6 +124,8 @@ class ReferenceBackend:
         s = np.einsum("nhd,thd->hnt", q, keys)  # (H, n, T)
         s_sink = np.einsum("nhd,thd->hnt", q_sink, keys) + sink_bias
         s = np.where(sink[None, None, :], s_sink, s) * np.float32(scale)
+        if softcap:  # gemma2: scores squashed into (-softcap, softcap)
+            s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
         dist = q_pos[:, None] - k_pos[None, :]  # (n, T)
         masked = (dist < 0) | ((dist >= kv.span) & ~sink[None, :])  # sinks: causal, but never out of span
         exact = ((dist < kv.recent) & (k_pos >= e0)[None, :]) | (k_pos < kv.first)[None, :]  # read from an exact copy

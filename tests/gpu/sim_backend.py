@@ -35,6 +35,9 @@ def models(tmp_path_factory):
                                  n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=32, n_ff=32, n_vocab=264, n_ctx=64,
                                  rope_yarn=(4.0, 16)),
         "granite": write_synthetic(d / "granite.gguf", "granite", "tiny", "q8_0", progress=False, **LLAMA),
+        # soft-caps at the size of these random weights' scores and logits, so both bend them
+        "gemma2": write_synthetic(d / "gemma2.gguf", "gemma2", "tiny", "q8_0", progress=False,
+                                  **GEMMA, attn_softcap=0.01, final_softcap=0.3),
         # phi3: fused attn_qkv and gate/up, LongRoPE's long factors (n_ctx 8 is past 4) and attention factor
         "phi3": write_synthetic(d / "phi3.gguf", "phi3", "tiny", "q8_0", progress=False,
                                 **{**LLAMA, "n_ctx": 16}, rope_longrope=4),
@@ -70,7 +73,7 @@ def steps(llm: LLM) -> np.ndarray:
 # only sliding layers (rings of its window, no sinks).
 CASES = [("llama", "f16", None), ("gemma3", "int4", None), ("gemma3", "int4", 2), ("llama", "int8", 2),
          ("llama", "int4", 2), ("llama3", "f16", None), ("qwen3", "int8", 2), ("granite", "f16", None),
-         ("phi3", "int8", 2)]
+         ("gemma2", "f16", None), ("gemma2", "int8", 2), ("phi3", "int8", 2)]
 
 
 @pytest.mark.parametrize("arch,kv,recent", CASES)

@@ -254,10 +254,10 @@ def test_kv_attention_matches_cpu_kernel(kind):
     q_pos = np.array([14, 15], np.int64)
     fk = rng.standard_normal((n, nkv, hd)).astype(np.float32)
     fv = rng.standard_normal((n, nkv, hd)).astype(np.float32)
-    for window, fresh in ((5, True), (0, False)):
+    for window, fresh, softcap in ((5, True, 0.0), (0, False, 0.0), (5, True, 0.5)):  # 0.5: gemma2's soft-cap reached
         f = (fk, fv, q_pos) if fresh else (None, None, None)
         ref = ckv.kv_attention(kind, q, q_sink, q_pos, qk, ks if kind != "f16" else None, qv,
-                               vs if kind != "f16" else None, pos, 2, *f, 0.3, window, False)
+                               vs if kind != "f16" else None, pos, 2, *f, 0.3, window, False, softcap=softcap)
         up = lambda a: cuda.to_device(np.ascontiguousarray(a))  # noqa: E731
         dk = gkv.ring_arrays(kind, up(qk.view(np.uint16) if kind == "f16" else qk.view(np.uint8)), up(ks.view(np.uint16)))
         dv = gkv.ring_arrays(kind, up(qv.view(np.uint16) if kind == "f16" else qv.view(np.uint8)), up(vs.view(np.uint16)))
@@ -265,7 +265,7 @@ def test_kv_attention_matches_cpu_kernel(kind):
         ffv = fv if fresh else np.zeros((0, nkv, hd), np.float32)
         ffp = q_pos if fresh else np.zeros(0, np.int64)
         got = gkv.kv_attention(kind, up(q), up(q_sink), up(q_pos), dk, dv, up(pos), cap, 2, up(ffk), up(ffv), up(ffp),
-                               0.3, window).copy_to_host()
+                               0.3, window, softcap=softcap).copy_to_host()
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 
