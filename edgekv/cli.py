@@ -131,8 +131,11 @@ def cmd_run(args) -> int:
 
     from .llm import load
 
+    from .warmup import prepare
+
     prompt = _run_prompt(args)
     llm = load(args.model, progress=not args.quiet, **_load_args(args))
+    prepare(llm, progress=not args.quiet)  # a fresh install compiles first: say so, behind a bar
     if args.chat or args.system is not None:
         system = [{"role": "system", "content": args.system}] if args.system else []
         prompt_in = llm.chat_ids(llm.template.render([*system, {"role": "user", "content": prompt}],

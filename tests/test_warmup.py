@@ -104,11 +104,13 @@ def _workers_alive(cache_dir) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_cold_cache_chat_shows_the_bar_and_ctrl_c_stops_it(tmp_path):
-    """A fresh install (empty numba cache): the chat says what it prepares before the first
-    prompt; Ctrl-C there exits with one line and leaves no worker compiling."""
+@pytest.mark.parametrize("verb", [["chat"], ["run", "-n", "4"]])
+def test_cold_cache_chat_shows_the_bar_and_ctrl_c_stops_it(tmp_path, verb):
+    """A fresh install (empty numba cache): the chat (and run) says what it prepares before the
+    first prompt; Ctrl-C there exits with one line and leaves no worker compiling."""
     env = dict(ENV, NUMBA_CACHE_DIR=str(tmp_path))
-    t = Terminal([sys.executable, "-m", "edgekv.cli", "chat", str(model_path("smollm2")), "--ctx", "256"], env)
+    argv = [verb[0], str(model_path("smollm2")), *(["Hello"] if verb[0] == "run" else []), *verb[1:], "--ctx", "256"]
+    t = Terminal([sys.executable, "-m", "edgekv.cli", *argv], env)
     t.read_until("compiling kernels", timeout=180)
     t.read_until("%", timeout=60)  # how far along
     assert "/help for commands" not in t.screen  # before the prompt
