@@ -8,6 +8,7 @@ where other programs use the cores), so the two conditions are measured side by 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -141,29 +142,34 @@ class LlamaCppRunner:
 
 
 class BackgroundLoad:
-    """n busy processes (one spinning Python loop each), stopped except inside `with`."""
+    """n busy processes (one spinning Python loop each), stopped except during a loaded rep."""
 
-    SETTLE_S = 0.6  # after switching: the processes are at full speed, and the runtimes see an
-    # idle gap as a new call after a pause does (edgekv then looks at the load again)
+    SETTLE_S = 0.6  # before each rep of a loaded bench: the processes are at full speed (or stopped),
+    # and the runtimes see an idle gap, as a call after a pause does (edgekv then reads the load again)
 
     def __init__(self, n: int):
         if n and not hasattr(signal, "SIGSTOP"):
             raise EdgekvError("--background-load needs a POSIX system (it pauses its busy processes)")
         self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-        self._signal(signal.SIGSTOP) if n else None
+        self._signal(signal.SIGSTOP)
 
     def _signal(self, sig) -> None:
         for p in self.procs:
             os.kill(p.pid, sig)
 
-    def __enter__(self):
-        self._signal(signal.SIGCONT)
-        time.sleep(self.SETTLE_S)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._signal(signal.SIGSTOP)
-        time.sleep(self.SETTLE_S if self.procs else 0)
+    @contextlib.contextmanager
+    def rep(self, loaded: bool):
+        """One rep, beside the running processes (loaded) or with them stopped; a bench without
+        processes runs its reps back to back."""
+        if loaded:
+            self._signal(signal.SIGCONT)
+        if self.procs:
+            time.sleep(self.SETTLE_S)
+        try:
+            yield
+        finally:
+            if loaded:
+                self._signal(signal.SIGSTOP)
 
     def close(self) -> None:
         for p in self.procs:
@@ -171,20 +177,17 @@ class BackgroundLoad:
             p.wait()
 
 
-_QUIET = BackgroundLoad(0)
-
-
 def plan(prompt: list[int], gen: list[int], depths: list[int], kvs: list[str], threads: list[int | None],
          loads: list[int] = (0,)) -> list[Case]:
     """The cases; a thread count of None is edgekv's own choice (at most the physical cores)."""
     from .backends.cpu import physical_cores
 
-    cases = []
+    cores, cases = physical_cores(), []
     for t in threads:
         for kv in kvs:
             for d in depths:
                 for test, n in [(f"pp{n}", n) for n in prompt if n] + [(f"tg{n}", n) for n in gen if n]:
-                    cases += [Case(test, n, d, kv, t or physical_cores(), t is None, load) for load in loads]
+                    cases += [Case(test, n, d, kv, t or cores, t is None, load) for load in loads]
     return cases
 
 
@@ -225,7 +228,7 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
                                     for r in runners] for c in group}
                 for rep in range(reps + 1):  # rep 0 warms up (JIT, page cache), quiet, not counted
                     for c in group if rep else group[:1]:
-                        with bg if c.load else _QUIET:
+                        with bg.rep(c.load > 0):
                             for r, row in zip(runners, row_set[c.load]):
                                 tps = r.run(c, rng)
                                 if rep:

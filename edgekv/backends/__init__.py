@@ -21,8 +21,9 @@ The operations (x float32, n = tokens in the batch):
       -> (n, H, hd)
       q attends to the cached tokens of kv and to this batch's own k/v, causally by position and
       within kv.span; sink slots are seen through q counter-rotated by kv.sink_shift (rope: the
-      layer's Rope); softcap > 0: scaled scores s become softcap * tanh(s / softcap) (gemma2). The batch's k/v are stored in kv: first when kv.write_first(n),
-      else after attending over (ring, batch).
+      layer's Rope); softcap > 0: scaled scores s become softcap * tanh(s / softcap) (gemma2).
+      The batch's k/v are stored in kv: first when kv.write_first(n), else after attending over
+      (ring, batch).
   decoder_block(attn_norm=, qkv=, qkv_bias=, q_norm=, k_norm=, attn_output=, post_attn_norm=,
                 ffn_norm=, gate_up=, act=, ffn_down=, post_ffw_norm=, n_head=, n_head_kv=,
                 head_dim=, eps=, scale=, rope=[, residual_scale=, softcap=]) -> handle or None

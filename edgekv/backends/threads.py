@@ -63,7 +63,7 @@ def busy_cores() -> int:
 def free_cores(cores: int, samples: int = 3) -> int:
     """Cores not kept busy by other work: the least busy of a few looks 1 ms apart."""
     busy = cores
-    for i in range(samples):
+    for _ in range(samples):
         busy = min(busy, busy_cores())
         if busy == 0:
             break
