@@ -5,8 +5,9 @@ full, the first `n_sink` slots keep the first tokens (attention sinks) and the o
 rest is overwritten, so a chat can run forever in bounded memory. Each slot remembers its
 token's position (-1 = empty); attention masks by position, so slot order never matters.
 Slots from `fill` (min(tokens written, capacity)) on are empty whatever they hold, and nothing
-reads them: every array of a ring is np.zeros, pages the OS backs only as the ring fills, so
-an empty cache of a huge n_ctx costs no memory yet (`cache_bytes` is what it will cost).
+reads them: every array of a ring is zeros the OS backs page by page as the ring fills
+(`lazy_zeros`), so an empty cache of a huge n_ctx costs no memory yet (`cache_bytes` is
+what it will cost).
 Sliding-window layers (gemma3) get a ring of exactly their window and no sinks.
 
 Positions (StreamingLLM). Keys are stored after RoPE at their absolute positions. RoPE scores
@@ -82,8 +83,8 @@ def recent_bytes(kind: str, n_layer: int, n_head_kv: int, head_dim: int) -> int:
 
 def cache_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) -> int:
     """Bytes a cache of these rings holds once full: the rings, the exact slots and one int64
-    position per slot. An empty cache costs almost none of it (the arrays are np.zeros, backed
-    by the OS as the ring fills), but a chat that fills the ring touches all of it."""
+    position per slot. An empty cache costs almost none of it (the arrays are `lazy_zeros`,
+    backed by the OS as the ring fills), but a chat that fills the ring touches all of it."""
     return (kv_bytes(kind, capacities, n_head_kv, head_dim) + 8 * sum(capacities)
             + recent_bytes(kind, len(capacities), n_head_kv, head_dim))
 
