@@ -280,11 +280,14 @@ def to_records(result: dict) -> list[dict]:
 
 
 def format_table(result: dict, fmt: str = "md") -> str:
+    from .kernels_cpu.qmatmul import kernel_paths
+
     recs = to_records(result)
     if fmt == "json":
         return json.dumps({"model": result["model"], "synthetic": result.get("synthetic", False),
                            "read_bandwidth_gb_s": round(result["bandwidth"] / 1e9, 2),
                            "background_load": result.get("background_load", 0),
+                           "cpu_kernels": kernel_paths(),
                            "rows": recs}, indent=2)
     cols = ["test", "kv", "threads", "runtime", "load", "tokens_per_s", "stddev", "weight_gb_per_s",
             "bandwidth_share", "kv_mib", "peak_rss_mib", "ratio_vs_llama_cpp", "ratio_vs_quiet"]
@@ -295,7 +298,8 @@ def format_table(result: dict, fmt: str = "md") -> str:
     synth = " (synthetic: real shapes, random weights; speed only)" if result.get("synthetic") else ""
     load = result.get("background_load")
     load = f"; load = busy processes beside the run ({load} or none)" if load else ""
-    head = f"model: {result['model']}{synth}; measured read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s{load}\n\n"
+    head = (f"model: {result['model']}{synth}; measured read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s{load}\n"
+            f"CPU kernels: {kernel_paths()}\n\n")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in recs:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")

@@ -38,6 +38,7 @@ def cmd_list(args) -> int:
 def describe(path, n_ctx: int) -> list[tuple[str, str]]:
     """The facts `edgekv info` prints, as (label, value) rows."""
     from .gguf_file import GGUFFile
+    from .kernels_cpu.qmatmul import kernel_paths
     from .kvcache import KV_BYTES_PER_VALUE, RECENT, kv_bytes, recent_bytes
     from .models import model_module
     from .tokenizer import Tokenizer
@@ -70,6 +71,7 @@ def describe(path, n_ctx: int) -> list[tuple[str, str]]:
         ("vocab", f"{cfg.n_vocab} ({f.meta.get('tokenizer.ggml.model')}, pre {f.meta.get('tokenizer.ggml.pre', '-')})"),
         ("special tokens", "; ".join(special)),
         ("chat template", "yes (from the file)" if isinstance(f.meta.get("tokenizer.chat_template"), str) else "no (edgekv's built-in fallback)"),
+        ("CPU kernels", kernel_paths()),
     ]
     if any(windows):
         rows.append(("sliding window", f"{sum(1 for w in windows if w)} of {cfg.n_layer} layers see the last {max(windows)} tokens"))

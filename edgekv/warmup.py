@@ -37,7 +37,7 @@ GROUPS = (
 )
 # The disk-cached kernels the groups compile (module, function): one missing means a cold
 # start. tests/test_warmup.py keeps the list equal to what the groups really compile.
-KERNELS = (("qmatmul", "_qmatvec"), ("qmatmul", "_qgemm"), ("qmatmul", "_dequant_rows"),
+KERNELS = (("qmatmul", "_qmatvec"), ("igemm", "_igemm"), ("qmatmul", "_dequant_rows"),
            ("ops", "_rmsnorm_serial"), ("ops", "_rmsnorm_parallel"), ("ops", "_rope_serial"), ("ops", "_rope_parallel"),
            ("ops", "_silu_mul_serial"), ("ops", "_silu_mul_parallel"), ("ops", "_gelu_mul_serial"),
            ("ops", "_gelu_mul_parallel"), ("kvquant", "_store_core"), ("kvquant", "_kv_space_core"),

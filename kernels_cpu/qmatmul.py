@@ -12,7 +12,8 @@ matrix; rows are decoded a block at a time, in registers.
   types and IQ4_XS): unsigned quants x int8 activations (vpdpbusd, pmaddubsw + pmaddwd /
   vpdpwssd; the i-quants' 16-entry table is a byte shuffle, pshufb), one float FMA per block
   (per 256 weights for K types and IQ4_XS).
-  More tokens (prefill): compute-bound. A tile of rows is decoded to float once and a register
+  More tokens (prefill): compute-bound. Quantized types: int8 activations and a tile of rows
+  unpacked once for integer dot products over all tokens (kernels_cpu/igemm.py). Float types: a
   tile of rows x 32 tokens accumulates over k with broadcast-FMA (float32 throughout).
 - dequantize_rows(w, qtype, rows, out): float32 rows (embedding lookup), same block decoders.
 
@@ -401,6 +402,18 @@ _PSHUFB = {n: name for n, name, ok in (
     (32, "llvm.x86.avx2.pshuf.b", _x86("avx2")),
     (16, "llvm.x86.ssse3.pshuf.b.128", _x86("ssse3")),
 ) if ok}
+
+# Prefill on integer products where vpdpbusd exists; without it float FMAs are faster than the
+# integer products' emulation (pmaddubsw saturates on 8-bit quants).
+INT8_PREFILL = bool(_VPDPBUSD)
+
+
+def kernel_paths() -> str:
+    """The CPU kernels' code paths on this machine, in words (`edgekv info`, bench headers)."""
+    dots = ("AVX-512 VNNI vpdpbusd" if 64 in _VPDPBUSD else "AVX-VNNI vpdpbusd" if _VPDPBUSD else
+            "AVX2 pmaddubsw" if 32 in _PMADDUBSW else "generic integer vectors")
+    pre = f"int8 GEMM ({dots})" if INT8_PREFILL else "float32 FMA tiles (no VNNI)"
+    return f"decode int8 dots ({dots}); prefill {pre}"
 
 
 def _call(builder, name, ret, args):
@@ -1370,7 +1383,10 @@ def run(qw: QWeight, x: np.ndarray, out: np.ndarray, col0: int, pre: int, pre_w:
             elif pre:
                 act = ops.silu_mul if pre == PRE_SILU else ops.gelu_mul
                 x = act(np.ascontiguousarray(x[:, : qw.k]), np.ascontiguousarray(x[:, qw.k :]))
-            _qgemm(x, qw.ws, qw.qtype, out, col0)
+            if qw.qtype in _FLOAT_TYPES or not INT8_PREFILL:
+                _qgemm(x, qw.ws, qw.qtype, out, col0)
+            else:
+                igemm._igemm(x, qw.ws, qw.qtype, out, col0)
             if res.shape[0]:
                 y = np.ascontiguousarray(out[:, col0 : col0 + qw.m])
                 ops.add_(res, ops.rmsnorm(y, post_w, eps) if post_w.size else y)
@@ -1392,3 +1408,7 @@ def dequantize_rows(w: np.ndarray, qtype: int, rows: np.ndarray, out: np.ndarray
     if rows.size:
         _dequant_rows(w, qtype, rows.astype(np.int64), k, out)
     return out
+
+
+# The integer prefill GEMM builds on the vector layer and block decoders above.
+from . import igemm  # noqa: E402

@@ -19,14 +19,24 @@ def test_agrees_with_llamacpp(model_key, device):
 
 
 def test_cpu_matches_reference(model_key):
-    """The numba backend against the numpy oracle on one prompt, every position."""
+    """The numba backend against the numpy oracle on one prompt, every position. Where the CPU
+    prefill multiplies int8 activations (VNNI), as llama.cpp does, the two differ by that
+    rounding: held to llama.cpp's agreement with itself (KL ~0.004); with float prefill, tightly."""
+    from edgekv.kernels_cpu.qmatmul import INT8_PREFILL
+
     P = llamacpp_fixture(model_key)["prompts"][2]
     ids = P["prompt_ids"] + P["continuation"]
-    ref = teacher_forced_logits(open_model(model_key, "reference")[1], ids)
-    cpu = teacher_forced_logits(open_model(model_key, "cpu")[1], ids)
-    assert (ref.argmax(-1) == cpu.argmax(-1)).mean() >= 0.97
+    ref = teacher_forced_logits(open_model(model_key, "reference")[1], ids).astype(np.float64)
+    cpu = teacher_forced_logits(open_model(model_key, "cpu")[1], ids).astype(np.float64)
+    top1 = (ref.argmax(-1) == cpu.argmax(-1)).mean()
+    lr, lc = (z - z.max(-1, keepdims=True) for z in (ref, cpu))
+    lr, lc = (z - np.log(np.exp(z).sum(-1, keepdims=True)) for z in (lr, lc))
+    kl = (np.exp(lr) * (lr - lc)).sum(-1)
     rel = np.linalg.norm(cpu - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
-    assert rel.max() < 0.05, rel.max()
+    if INT8_PREFILL:
+        assert top1 >= MIN_TOP1 and kl.mean() <= MAX_KL / 2 and kl.max() < 0.1, (top1, kl.mean(), kl.max())
+    else:
+        assert top1 >= 0.97 and rel.max() < 0.05, (top1, rel.max())
 
 
 def test_tokenizer_matches_fixture_prompts(model_key):

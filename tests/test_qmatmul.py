@@ -1,7 +1,7 @@
 """qmatmul / dequantize_rows against gguf.quants.dequantize (the reference decoder) and float64
-matmuls. Decode-sized calls (n <= SMALL_N) quantize the activations to int8 blocks, so they are
-checked twice: loosely against the exact product and tightly against the product with the same
-int8 activations (re-derived here in numpy)."""
+matmuls. Quantized weights multiply activations quantized to int8 blocks (decode and prefill,
+kernels_cpu/igemm.py), so they are checked twice: loosely against the exact product and tightly
+against the product with the same int8 activations (re-derived here in numpy)."""
 from __future__ import annotations
 
 import numba
@@ -61,9 +61,11 @@ def reference(w: np.ndarray, name: str) -> np.ndarray:
 
 
 def int8_activations(x: np.ndarray, name: str) -> np.ndarray:
-    """x as the kernels see it on the decode path: int8 blocks (32, or 256 for K types) times a
+    """x as the kernels see it: int8 blocks (32; 256 for K types on the decode path) times a
     float32 scale amax/127, rounded half to even."""
-    bs = 256 if BY_NAME[name].block_elems == 256 else 32
+    if x.shape[0] > qm.SMALL_N and not qm.INT8_PREFILL:  # float prefill: x as it is
+        return x.astype(np.float64)
+    bs = 256 if BY_NAME[name].block_elems == 256 and x.shape[0] <= qm.SMALL_N else 32
     xb = x.reshape(x.shape[0], -1, bs)
     amax = np.abs(xb).max(axis=-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
@@ -80,7 +82,7 @@ def check(w: np.ndarray, name: str, x: np.ndarray) -> None:
     got = qm.qmatmul(x, w, BY_NAME[name].id)
     assert got.shape == (x.shape[0], w.shape[0]) and got.dtype == np.float32
     exact = x.astype(np.float64) @ dense.T
-    if x.shape[0] > qm.SMALL_N or name in ("F32", "F16", "BF16"):  # float path
+    if name in ("F32", "F16", "BF16") or (x.shape[0] > qm.SMALL_N and not qm.INT8_PREFILL):  # float activations
         assert rel_err(got, exact) < 1e-5
     else:
         assert rel_err(got, exact) < 3e-2
@@ -116,6 +118,29 @@ def test_iq4_decode_and_prefill(name):
         check(w, name, rng.standard_normal((n, k), dtype=np.float32))
 
 
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ("F32", "F16", "BF16")])
+def test_int8_gemm(name):
+    """The integer prefill kernel itself (also where qmatmul does not pick it: no VNNI): every
+    type, a partial tile of rows, token counts that leave partial register tiles, 3 fused parts,
+    against the product with the same int8 activations."""
+    from edgekv.kernels_cpu import igemm
+
+    rng = np.random.default_rng(17)
+    k = 2 * cols_for(name)
+    parts = [random_raw(name, m, k, rng) for m in (37, 5, 64)]
+    dense = np.concatenate([reference(p, name) for p in parts])
+    qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
+    for n in (8, 13, 40):
+        x = rng.standard_normal((n, k), dtype=np.float32)
+        out = np.full((n, qw.m + 3), np.nan, np.float32)
+        igemm._igemm(x, qw.ws, qw.qtype, out, 3)
+        xb = x.reshape(n, -1, 32)
+        amax = np.abs(xb).max(axis=-1, keepdims=True)
+        want = (np.rint(xb * (np.float32(127) / amax)) * (amax / np.float32(127))).reshape(n, k) @ dense.T
+        assert rel_err(out[:, 3:], want) < 1e-5
+        assert np.isnan(out[:, :3]).all()
+
+
 def test_iq4_table_is_ggmls():
     """IQ4_NL's and IQ4_XS's non-linear table is gguf.quants' (ggml's kvalues_iq4nl), and every
     index of a block decodes to its entry."""
@@ -137,7 +162,7 @@ def test_many_tokens_and_out():
     x = rng.standard_normal((513, 64), dtype=np.float32)
     out = np.full((513, 37), np.nan, np.float32)
     assert qm.qmatmul(x, w, BY_NAME["Q4_0"].id, out=out) is out
-    assert rel_err(out, x.astype(np.float64) @ reference(w, "Q4_0").T) < 1e-5
+    assert rel_err(out, int8_activations(x, "Q4_0") @ reference(w, "Q4_0").T) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
@@ -176,7 +201,7 @@ def test_fused_pre_and_post_steps(name, n):
     k, m, eps, qt = cols_for(name), 24, 1e-6, BY_NAME[name].id
     w = quantized(name, m, k, rng) if name in GGUF_QUANTIZES else random_raw(name, m, k, rng)
     dense = reference(w, name)
-    tol = 2e-2 if n <= qm.SMALL_N and name != "F16" else 1e-5  # int8 activations on the decode path
+    tol = 1e-5 if name == "F16" or (n > qm.SMALL_N and not qm.INT8_PREFILL) else 2e-2  # int8 activations
     x = rng.standard_normal((n, k), dtype=np.float32)
     g = rng.standard_normal(k).astype(np.float32)
     got = qm.qmatmul(x, w, qt, pre="norm", pre_w=g, eps=eps)

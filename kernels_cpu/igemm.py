@@ -1,0 +1,286 @@
+"""Prefill on integer dot products: x (n, k) @ W.T for quantized W and many tokens.
+
+Activations are quantized per token to int8 in blocks of 32 (as Q8_0), and a tile of _R weight
+rows is unpacked once into unsigned bytes laid out four k-values per row side by side:
+
+    u[g, r] = the 4 quants of row r at k = 4g .. 4g+3 (a uint32 holding 4 bytes)
+
+so that one vpdpbusd of 16 lanes x 4 bytes is 16 rows times one token's 4 activations (broadcast):
+each int32 lane sums a whole sub-block of its row without any horizontal sum. Per sub-block
+(32 or 16 weights, the type's scale granularity) an int32 lane is converted and scaled once:
+
+    y[t, r] += s[j, r] * dx[t, j] * (sum_i u[i, r] * xq[t, i] - off * sum_i xq[t, i]) + mn[j, r] * xs[t, j]
+
+(s: the sub-block's float scale, off: the type's quant offset, mn and xs = dx * sum(xq): the
+min term of the types that have one). A register tile of _R = 32 rows x _T = 6 tokens holds 12
+int32 and 12 float32 accumulators; per 4 values of k it loads two weight vectors and broadcasts
+6 activations, for 12 products of 64 multiply-adds. The integer peak is ~4x the float FMA peak.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .qmatmul import (_OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K,
+                      Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _block_iq4_nl, _block_q4_0, _block_q4_1,
+                      _block_q5_0, _block_q5_1, _block_q8_0, _part, _quants_iq4_xs, _quants_q2_k, _quants_q3_k,
+                      _quants_q4_k, _quants_q5_k, _quants_q6_k, _scales_iq4_xs, _scales_k4, _scales_q2_k,
+                      _scales_q3_k, _scales_q6_k, at, cvt, dot4acc, fma, lane, ld, splat, st, view, vmul)
+
+_R = 32  # rows per tile: two vectors of 16 int32 lanes
+_T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast: 27 of 32 zmm)
+f32, i32 = np.float32, np.int32
+
+
+def sub_block(qtype: int) -> int:
+    """The type's scale granularity: 16 for Q2_K, Q3_K and Q6_K (a scale per 16), else 32."""
+    return 16 if qtype in (Q2_K, Q3_K, Q6_K) else 32
+
+
+@njit(inline="always")
+def _type_info(qtype):
+    """(quant offset, has a min term, sub-block size) of a quantized type."""
+    if qtype == Q4_0:
+        return 8, False, 32
+    if qtype == Q5_0:
+        return 16, False, 32
+    if qtype == Q8_0 or qtype == IQ4_NL:
+        return 128, False, 32
+    if qtype == Q4_1 or qtype == Q5_1:
+        return 0, True, 32
+    if qtype == Q2_K:
+        return _OFF_Q2_K, True, 16
+    if qtype == Q3_K:
+        return _OFF_Q3_K, False, 16
+    if qtype == Q4_K:
+        return _OFF_Q4_K, True, 32
+    if qtype == Q5_K:
+        return _OFF_Q5_K, True, 32
+    if qtype == Q6_K:
+        return _OFF_Q6_K, False, 16
+    return _OFF_IQ4_XS, False, 32  # IQ4_XS
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: per token, int8 blocks of 32 with a float scale dx; per sub-block j of sb values,
+# xo = -off * sum(xq) (the integer start of the row's accumulator) and xs = dx * sum(xq).
+# ---------------------------------------------------------------------------------------------
+@njit(fastmath=True, inline="always")
+def _quantize_token(x, t, k, sb, off, xq, dx, xo, xs):
+    nb, nsb = k // 32, k // sb
+    for b in range(nb):
+        amax = f32(0)
+        for i in range(32 * b, 32 * b + 32):
+            amax = max(amax, abs(x[t, i]))
+        inv = f32(127) / amax if amax > 0 else f32(0)
+        d = amax / f32(127)
+        dx[t * nb + b] = d
+        for h in range(32 // sb):
+            total = 0
+            for i in range(32 * b + sb * h, 32 * b + sb * h + sb):
+                q = np.int8(np.rint(x[t, i] * inv))
+                xq[t * k + i] = q
+                total += q
+            j = t * nsb + b * (32 // sb) + h
+            xo[j] = -off * total
+            xs[j] = d * f32(total)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight tiles: rows r0 .. r0 + nr - 1 -> u (k/4 groups x _R rows of 4 bytes), s and mn (k/sb
+# sub-blocks x _R rows). Rows past nr are zero (their results are dropped).
+# ---------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _scatter(u, i, q4):
+    """u[i + g * _R] = lane g of q4 (8 groups of 4 quants): one row's column of the tile."""
+    u[i] = lane(q4, 0)
+    u[i + _R] = lane(q4, 1)
+    u[i + 2 * _R] = lane(q4, 2)
+    u[i + 3 * _R] = lane(q4, 3)
+    u[i + 4 * _R] = lane(q4, 4)
+    u[i + 5 * _R] = lane(q4, 5)
+    u[i + 6 * _R] = lane(q4, 6)
+    u[i + 7 * _R] = lane(q4, 7)
+
+
+@njit(fastmath=True, inline="always")
+def _unpack_32(w, ro, nb, rr, u, s, mn, block, nbytes):
+    for b in range(nb):
+        q, off, d, m = block(w, ro + nbytes * b)
+        _scatter(u, 8 * b * _R + rr, view(q, np.uint32))
+        s[b * _R + rr] = d
+        mn[b * _R + rr] = m
+
+
+@njit(fastmath=True, inline="always")
+def _unpack_k(w, ro, nsup, rr, u, s, mn, scales, quants, nbytes, sb):
+    per = 256 // sb  # sub-blocks per super-block
+    for b in range(nsup):
+        o = ro + nbytes * b
+        d, dmin, sc, mv = scales(w, o)
+        for c in range(8):
+            _scatter(u, (64 * b + 8 * c) * _R + rr, view(quants(w, o, c), np.uint32))
+        for j in range(per):
+            e = j * (16 // per)  # scales come per 16 (repeated for sub-blocks of 32)
+            s[(per * b + j) * _R + rr] = d * f32(lane(sc, e))
+            mn[(per * b + j) * _R + rr] = -dmin * f32(lane(mv, e))
+
+
+@njit(fastmath=True)
+def _unpack(qtype, w, rb, r0, nr, k, u, s, mn):
+    for rr in range(nr):
+        ro = (r0 + rr) * rb
+        if qtype == Q4_0:
+            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q4_0, 18)
+        elif qtype == Q4_1:
+            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q4_1, 20)
+        elif qtype == Q5_0:
+            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q5_0, 22)
+        elif qtype == Q5_1:
+            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q5_1, 24)
+        elif qtype == Q8_0:
+            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q8_0, 34)
+        elif qtype == IQ4_NL:
+            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_iq4_nl, 18)
+        elif qtype == Q2_K:
+            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_q2_k, _quants_q2_k, 84, 16)
+        elif qtype == Q3_K:
+            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_q3_k, _quants_q3_k, 110, 16)
+        elif qtype == Q4_K:
+            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_k4, _quants_q4_k, 144, 32)
+        elif qtype == Q5_K:
+            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_k4, _quants_q5_k, 176, 32)
+        elif qtype == Q6_K:
+            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_q6_k, _quants_q6_k, 210, 16)
+        else:
+            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_iq4_xs, _quants_iq4_xs, 136, 32)
+    for rr in range(nr, _R):
+        for g in range(k // 4):
+            u[g * _R + rr] = 0
+        for j in range(s.size // _R):
+            s[j * _R + rr] = 0
+            mn[j * _R + rr] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Register tile: res (_T, _R) = the tile's rows times tokens t0 .. t0 + _T - 1.
+# ---------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _bx(xq4, i):
+    """Token activations xq4[i] (4 int8 in a uint32) broadcast to 64 bytes."""
+    return view(splat(at(xq4, i), 16), np.int8)
+
+
+@njit(fastmath=True, inline="always")
+def _flush(acc, s, m, d, e, f, has_min):
+    f = fma(vmul(cvt(acc, f32), s), d, f)
+    return fma(m, e, f) if has_min else f
+
+
+@njit(fastmath=True, inline="always")
+def _tile(u, s, mn, xq4, dx, xo, xs, k, sb, has_min, t0, res):
+    k4, nb, nsb, gps = k // 4, k // 32, k // sb, sb // 4
+    a, b, c, d_, e, f = t0, t0 + 1, t0 + 2, t0 + 3, t0 + 4, t0 + 5  # the tile's tokens
+    z = splat(f32(0), 16)
+    f00, f01, f10, f11, f20, f21 = z, z, z, z, z, z
+    f30, f31, f40, f41, f50, f51 = z, z, z, z, z, z
+    for j in range(nsb):
+        # accumulators start at -off * sum(xq) of the sub-block: the offset costs no instruction
+        z0 = splat(at(xo, a * nsb + j), 16)
+        i00, i01 = z0, z0
+        z1 = splat(at(xo, b * nsb + j), 16)
+        i10, i11 = z1, z1
+        z2 = splat(at(xo, c * nsb + j), 16)
+        i20, i21 = z2, z2
+        z3 = splat(at(xo, d_ * nsb + j), 16)
+        i30, i31 = z3, z3
+        z4 = splat(at(xo, e * nsb + j), 16)
+        i40, i41 = z4, z4
+        z5 = splat(at(xo, f * nsb + j), 16)
+        i50, i51 = z5, z5
+        for g in range(j * gps, j * gps + gps):
+            w0 = view(ld(u, g * _R, 16), np.uint8)
+            w1 = view(ld(u, g * _R + 16, 16), np.uint8)
+            x = _bx(xq4, a * k4 + g)
+            i00, i01 = dot4acc(i00, w0, x), dot4acc(i01, w1, x)
+            x = _bx(xq4, b * k4 + g)
+            i10, i11 = dot4acc(i10, w0, x), dot4acc(i11, w1, x)
+            x = _bx(xq4, c * k4 + g)
+            i20, i21 = dot4acc(i20, w0, x), dot4acc(i21, w1, x)
+            x = _bx(xq4, d_ * k4 + g)
+            i30, i31 = dot4acc(i30, w0, x), dot4acc(i31, w1, x)
+            x = _bx(xq4, e * k4 + g)
+            i40, i41 = dot4acc(i40, w0, x), dot4acc(i41, w1, x)
+            x = _bx(xq4, f * k4 + g)
+            i50, i51 = dot4acc(i50, w0, x), dot4acc(i51, w1, x)
+        s0, s1 = ld(s, j * _R, 16), ld(s, j * _R + 16, 16)
+        m0, m1 = ld(mn, j * _R, 16), ld(mn, j * _R + 16, 16)
+        bj = (j * sb) >> 5  # the activation block of sub-block j
+        dv, ev = splat(at(dx, a * nb + bj), 16), splat(at(xs, a * nsb + j), 16)
+        f00, f01 = _flush(i00, s0, m0, dv, ev, f00, has_min), _flush(i01, s1, m1, dv, ev, f01, has_min)
+        dv, ev = splat(at(dx, b * nb + bj), 16), splat(at(xs, b * nsb + j), 16)
+        f10, f11 = _flush(i10, s0, m0, dv, ev, f10, has_min), _flush(i11, s1, m1, dv, ev, f11, has_min)
+        dv, ev = splat(at(dx, c * nb + bj), 16), splat(at(xs, c * nsb + j), 16)
+        f20, f21 = _flush(i20, s0, m0, dv, ev, f20, has_min), _flush(i21, s1, m1, dv, ev, f21, has_min)
+        dv, ev = splat(at(dx, d_ * nb + bj), 16), splat(at(xs, d_ * nsb + j), 16)
+        f30, f31 = _flush(i30, s0, m0, dv, ev, f30, has_min), _flush(i31, s1, m1, dv, ev, f31, has_min)
+        dv, ev = splat(at(dx, e * nb + bj), 16), splat(at(xs, e * nsb + j), 16)
+        f40, f41 = _flush(i40, s0, m0, dv, ev, f40, has_min), _flush(i41, s1, m1, dv, ev, f41, has_min)
+        dv, ev = splat(at(dx, f * nb + bj), 16), splat(at(xs, f * nsb + j), 16)
+        f50, f51 = _flush(i50, s0, m0, dv, ev, f50, has_min), _flush(i51, s1, m1, dv, ev, f51, has_min)
+    st(res, 0, f00)
+    st(res, 16, f01)
+    st(res, 32, f10)
+    st(res, 48, f11)
+    st(res, 64, f20)
+    st(res, 80, f21)
+    st(res, 96, f30)
+    st(res, 112, f31)
+    st(res, 128, f40)
+    st(res, 144, f41)
+    st(res, 160, f50)
+    st(res, 176, f51)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _igemm(x, ws, qtype, out, col0):
+    """out[:, col0 : col0 + m] = x @ [ws[0]; ws[1]; ws[2]].T for a quantized type (as qmatmul's
+    _qgemm): activations quantized in parallel over tokens, then tiles of _R rows in parallel."""
+    n, k = x.shape
+    off, has_min, sb = _type_info(qtype)
+    npad = (n + _T - 1) // _T * _T  # padding tokens are zero: their results are dropped
+    nb, nsb = k // 32, k // sb
+    xq = np.empty(npad * k, np.int8)
+    dx = np.empty(npad * nb, np.float32)
+    xo = np.empty(npad * nsb, np.int32)
+    xs = np.empty(npad * nsb, np.float32)
+    for t in prange(npad):
+        if t < n:
+            _quantize_token(x, t, k, sb, off, xq, dx, xo, xs)
+        else:
+            for i in range(t * k, t * k + k):
+                xq[i] = 0
+            for i in range(t * nb, t * nb + nb):
+                dx[i] = 0
+            for i in range(t * nsb, t * nsb + nsb):
+                xo[i] = 0
+                xs[i] = 0
+    xq4 = xq.view(np.uint32)
+    m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
+    t0, t1, t2 = (m0 + _R - 1) // _R, (m1 + _R - 1) // _R, (ws[2].shape[0] + _R - 1) // _R
+    for item in prange(t0 + t1 + t2):
+        p, tile = _part(np.int64(item), t0, t1)
+        w = ws[p]
+        col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
+        r0 = tile * _R
+        nr = min(_R, w.shape[0] - r0)
+        u = np.empty(k // 4 * _R, np.uint32)
+        s = np.empty(nsb * _R, np.float32)
+        mn = np.empty(nsb * _R, np.float32)
+        _unpack(qtype, w.reshape(-1), rb, r0, nr, k, u, s, mn)
+        res = np.empty(_T * _R, np.float32)
+        for g in range(npad // _T):
+            _tile(u, s, mn, xq4, dx, xo, xs, k, sb, has_min, g * _T, res)
+            for j in range(min(_T, n - g * _T)):
+                for rr in range(nr):
+                    out[g * _T + j, col + r0 + rr] = res[j * _R + rr]
