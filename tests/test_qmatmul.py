@@ -121,8 +121,8 @@ def test_iq4_decode_and_prefill(name):
 @pytest.mark.parametrize("name", [n for n in ALL if n not in ("F32", "F16", "BF16")])
 def test_int8_gemm(name):
     """The integer prefill kernel itself (also where qmatmul does not pick it: no VNNI): every
-    type, a partial tile of rows, token counts that leave partial register tiles, 3 fused parts,
-    against the product with the same int8 activations."""
+    type against gguf.quants' dequantization times the same int8 activations; fused parts of 37,
+    5 and 64 rows (partial tiles of 32), token counts that leave partial register tiles of 6."""
     from edgekv.kernels_cpu import igemm
 
     rng = np.random.default_rng(17)
@@ -130,7 +130,7 @@ def test_int8_gemm(name):
     parts = [random_raw(name, m, k, rng) for m in (37, 5, 64)]
     dense = np.concatenate([reference(p, name) for p in parts])
     qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
-    for n in (8, 13, 40):
+    for n in (1, 2, 7, 13, 64, 513):
         x = rng.standard_normal((n, k), dtype=np.float32)
         out = np.full((n, qw.m + 3), np.nan, np.float32)
         igemm._igemm(x, qw.ws, qw.qtype, out, 3)
