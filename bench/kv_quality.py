@@ -1,6 +1,9 @@
 """KV-cache quality: KL divergence and top-1 agreement of int8/int4 caches against the f16
 cache, for edgekv and (when llama-cpp-python is importable) llama.cpp's q8_0/q4_0 caches on
 the same tokens in the same run; plus the streaming test (a text 4x the ring, sinks on/off).
+edgekv's caches are compared with float prefill products (the cache's own effect; int8
+activations add KL ~0.003 between any two slightly different runs); --int8-prefill measures
+them as they run by default on VNNI machines.
 
     python bench/kv_quality.py [--tokens 4096] [--ctx 512] [--models smollm2,gemma3] [--stream 512]
     /work/llvenv/bin/python bench/kv_quality.py --llamacpp-only   # then --llamacpp-json bench/kv_quality_llamacpp.json
@@ -8,6 +11,7 @@ the same tokens in the same run; plus the streaming test (a text 4x the ring, si
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -15,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.hub import resolve
+from edgekv.kernels_cpu.qmatmul import float_prefill
 from edgekv.llm import LLM
 from edgekv.perplexity import perplexity, streaming_nll
 
@@ -59,6 +64,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--stream", type=int, default=512, help="ring size for the streaming test (0 = skip)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--int8-prefill", action="store_true", help="edgekv's default prefill (int8 activations)")
     ap.add_argument("--llamacpp-only", action="store_true", help="only llama.cpp's caches (print JSON)")
     ap.add_argument("--llamacpp-json", help="llama.cpp results from a --llamacpp-only run, instead of measuring")
     args = ap.parse_args()
@@ -80,7 +86,8 @@ def main() -> None:
         ids = llm.tokenize(text, special=False)[: args.tokens]
         t = time.time()
         r = dict(tokens=len(ids), n_ctx=args.ctx)
-        r["edgekv"] = perplexity(llm, ids, n_ctx=args.ctx, kinds=("f16", "int8", "int4"), kl_base="f16")
+        with contextlib.nullcontext() if args.int8_prefill else float_prefill():
+            r["edgekv"] = perplexity(llm, ids, n_ctx=args.ctx, kinds=("f16", "int8", "int4"), kl_base="f16")
         r["llama.cpp"] = given[key] if key in given else llamacpp_kl(path, ids, args.ctx)
         if args.stream:
             # Perplexity inside one ring vs far past it (4x), sinks on and off.

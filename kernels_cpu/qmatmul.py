@@ -25,6 +25,8 @@ fallbacks; LLVM picks AVX-512/AVX2/NEON code.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 
 import llvmlite.binding as llvm
@@ -404,15 +406,29 @@ _PSHUFB = {n: name for n, name, ok in (
 ) if ok}
 
 # Prefill on integer products where vpdpbusd exists; without it float FMAs are faster than the
-# integer products' emulation (pmaddubsw saturates on 8-bit quants).
-INT8_PREFILL = bool(_VPDPBUSD)
+# integer products' emulation (pmaddubsw saturates on 8-bit quants). EDGEKV_PREFILL=float (or
+# float_prefill()) keeps float prefill: to measure a cache's own effect, since int8 activations
+# add a rounding of their own (KL ~0.003 against float activations, as llama.cpp's do).
+INT8_PREFILL = bool(_VPDPBUSD) and os.environ.get("EDGEKV_PREFILL", "") != "float"
+
+
+@contextlib.contextmanager
+def float_prefill():
+    """Float32 prefill products inside the block (process-wide: for measurements)."""
+    global INT8_PREFILL
+    was, INT8_PREFILL = INT8_PREFILL, False
+    try:
+        yield
+    finally:
+        INT8_PREFILL = was
 
 
 def kernel_paths() -> str:
     """The CPU kernels' code paths on this machine, in words (`edgekv info`, bench headers)."""
     dots = ("AVX-512 VNNI vpdpbusd" if 64 in _VPDPBUSD else "AVX-VNNI vpdpbusd" if _VPDPBUSD else
             "AVX2 pmaddubsw" if 32 in _PMADDUBSW else "generic integer vectors")
-    pre = f"int8 GEMM ({dots})" if INT8_PREFILL else "float32 FMA tiles (no VNNI)"
+    pre = (f"int8 GEMM ({dots})" if INT8_PREFILL else
+           "float32 FMA tiles (" + ("EDGEKV_PREFILL=float" if _VPDPBUSD else "no VNNI") + ")")
     return f"decode int8 dots ({dots}); prefill {pre}"
 
 

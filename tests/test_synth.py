@@ -165,11 +165,27 @@ def _one_at_a_time(model, ids: list[int], n_ctx: int = 64) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch,qtype", [(a, q) for a in SIZES for q in ("q4_0", "q4_k", "q8_0", "q6_k", "f16")])
+def _as_good_within_int8_noise(got: np.ndarray, ref: np.ndarray) -> None:
+    """int8 activations cost ~0.5% per matmul; through 2 (llama) or 7 (gemma3, whose post-norms
+    rescale each block's output to full size) layers that measures 1-7% over ten prompts, as
+    much as a numpy model that rounds its activations the same way. Random logits have
+    near-ties, so rather than equal argmax: got's pick is, by ref, as good as the best within
+    that noise."""
+    rel = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert np.isfinite(got).all() and rel.max() < 0.1, rel.max()
+    noise = np.sqrt(np.mean((got - ref) ** 2, axis=-1))
+    picked = ref[np.arange(len(ref)), got.argmax(-1)]
+    assert np.all(picked >= ref.max(-1) - 5 * noise)  # two logits each off by ~noise
+
+
+@pytest.mark.parametrize("arch,qtype", [(a, q) for a in SIZES for q in ("q4_0", "q4_k", "q8_0", "q6_k", "f16")])
 def test_cpu_backend_matches_reference(tmp_root, arch, qtype):
     """20 tokens (past gemma3's 8-token window), every position, the numba backend against the
-    float32 numpy oracle: once as one batch (the float prefill kernels) and once a token at a
-    time (the decode kernels, which quantize activations to int8 blocks like llama.cpp)."""
+    float32 numpy oracle: once as one batch (the prefill kernels: int8 activations on VNNI
+    machines, else float) and once a token at a time (the decode kernels, which quantize
+    activations to int8 blocks like llama.cpp)."""
     from edgekv.backends import get_backend
+    from edgekv.kernels_cpu.qmatmul import INT8_PREFILL
     from edgekv.models import build_model
 
     f = GGUFFile(synth(tmp_root, arch, qtype))
@@ -182,20 +198,14 @@ def test_cpu_backend_matches_reference(tmp_root, arch, qtype):
     assert ref.std(axis=-1).min() * f.meta.get(f"{arch}.logit_scale", 1.0) > 0.1
 
     cpu = teacher_forced_logits(cpu_model, ids)
-    rel = np.linalg.norm(cpu - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
-    assert rel.max() < 2e-2, rel.max()  # measured <= 7e-4
-    assert (cpu.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    if INT8_PREFILL and qtype != "f16":
+        _as_good_within_int8_noise(cpu, ref)
+    else:
+        rel = np.linalg.norm(cpu - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+        assert rel.max() < 2e-2, rel.max()  # measured <= 7e-4
+        assert (cpu.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
-    # Decode: int8 activations cost ~0.5% per matmul; through 2 (llama) or 7 (gemma3, whose
-    # post-norms rescale each block's output to full size) layers that measures 1-7% over ten
-    # prompts, as much as a numpy model that rounds its activations the same way. Random
-    # logits have near-ties, so rather than equal argmax: the CPU's pick is, by the reference,
-    # as good as the best within that noise.
     ref_step, step = _one_at_a_time(ref_model, ids), _one_at_a_time(cpu_model, ids)
     # the oracle itself: one batch and one token at a time differ only by the f16 cache rounding
     assert (np.linalg.norm(ref_step - ref, axis=-1) / np.linalg.norm(ref, axis=-1)).max() < 2e-3
-    rel = np.linalg.norm(step - ref_step, axis=-1) / np.linalg.norm(ref_step, axis=-1)
-    assert np.isfinite(step).all() and rel.max() < 0.1, rel.max()
-    noise = np.sqrt(np.mean((step - ref_step) ** 2, axis=-1))  # (20,)
-    picked = ref_step[np.arange(20), step.argmax(-1)]
-    assert np.all(picked >= ref_step.max(-1) - 5 * noise)  # two logits each off by ~noise
+    _as_good_within_int8_noise(step, ref_step)
