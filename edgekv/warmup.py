@@ -107,7 +107,7 @@ def _prefill(be, rng) -> None:
     from .kernels_cpu.qmatmul import SMALL_N
 
     n, ones = SMALL_N + 2, np.ones(_D, np.float32)
-    emb = _weight(16, _D, rng)
+    emb = _weight(n, _D, rng)
     x = be.embed(emb, np.arange(n, dtype=np.int64))
     be.matmul(x, _weight((_H * _HD, _HKV * _HD, _HKV * _HD), _D, rng), pre="norm", pre_w=ones, eps=1e-6)
     x = be.matmul(_rand(rng, n, _D), _weight(_D, _D, rng), residual=x, post_w=ones, eps=1e-6)

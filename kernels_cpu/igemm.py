@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .qmatmul import (_OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K,
+from .qmatmul import (cat, shuffler, _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K,
                       Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _block_iq4_nl, _block_q4_0, _block_q4_1,
                       _block_q5_0, _block_q5_1, _block_q8_0, _part, _quants_iq4_xs, _quants_q2_k, _quants_q3_k,
                       _quants_q4_k, _quants_q5_k, _quants_q6_k, _scales_iq4_xs, _scales_k4, _scales_q2_k,
@@ -90,36 +90,59 @@ def _quantize_token(x, t, k, sb, off, xq, dx, xo, xs):
 # Weight tiles: rows r0 .. r0 + nr - 1 -> u (k/4 groups x _R rows of 4 bytes), s and mn (k/sb
 # sub-blocks x _R rows). Rows past nr are zero (their results are dropped).
 # ---------------------------------------------------------------------------------------------
+# A 16 x 8 transpose of uint32 (16 rows' 8 groups of 4 quants -> 8 vectors of 16 rows) in three
+# rounds of two-source shuffles (vpermt2d), 24 for 16 rows x 32 quants.
+# Round 1: rows 4m..4m+3 x groups 4h..4h+3 from P(2m), P(2m+1) (P(j) = rows 2j, 2j+1): lane
+#   4 * group + row. Round 2: rows 8n..8n+7 x groups 4h+2p, +1: lane 8 * group + row. Round 3:
+#   rows 0..15 of one group.
+_T1_0, _T1_1 = (shuffler(*[8 * (i % 4) + 4 * h + i // 4 for i in range(16)]) for h in range(2))
+_T2_0, _T2_1 = (shuffler(*[16 * ((i % 8) // 4) + (2 * p + i // 8) * 4 + i % 4 for i in range(16)]) for p in range(2))
+_T3_0, _T3_1 = (shuffler(*[(i // 8) * 16 + g * 8 + i % 8 for i in range(16)]) for g in range(2))
+
+
 @njit(inline="always")
-def _scatter(u, i, q4):
-    """u[i + g * _R] = lane g of q4 (8 groups of 4 quants): one row's column of the tile."""
-    u[i] = lane(q4, 0)
-    u[i + _R] = lane(q4, 1)
-    u[i + 2 * _R] = lane(q4, 2)
-    u[i + 3 * _R] = lane(q4, 3)
-    u[i + 4 * _R] = lane(q4, 4)
-    u[i + 5 * _R] = lane(q4, 5)
-    u[i + 6 * _R] = lane(q4, 6)
-    u[i + 7 * _R] = lane(q4, 7)
+def _transpose(tmp, k4, o, u, uo):
+    """u[uo + g * _R + r] = tmp[r * k4 + o + g] for 16 rows r and 8 groups g."""
+    p0 = cat(ld(tmp, o, 8), ld(tmp, k4 + o, 8))
+    p1 = cat(ld(tmp, 2 * k4 + o, 8), ld(tmp, 3 * k4 + o, 8))
+    p2 = cat(ld(tmp, 4 * k4 + o, 8), ld(tmp, 5 * k4 + o, 8))
+    p3 = cat(ld(tmp, 6 * k4 + o, 8), ld(tmp, 7 * k4 + o, 8))
+    p4 = cat(ld(tmp, 8 * k4 + o, 8), ld(tmp, 9 * k4 + o, 8))
+    p5 = cat(ld(tmp, 10 * k4 + o, 8), ld(tmp, 11 * k4 + o, 8))
+    p6 = cat(ld(tmp, 12 * k4 + o, 8), ld(tmp, 13 * k4 + o, 8))
+    p7 = cat(ld(tmp, 14 * k4 + o, 8), ld(tmp, 15 * k4 + o, 8))
+    a, b, c, d = cat(p0, p1), cat(p2, p3), cat(p4, p5), cat(p6, p7)
+    q00, q01, q10, q11 = _T1_0(a), _T1_1(a), _T1_0(b), _T1_1(b)
+    q20, q21, q30, q31 = _T1_0(c), _T1_1(c), _T1_0(d), _T1_1(d)
+    e, f, g, h = cat(q00, q10), cat(q01, q11), cat(q20, q30), cat(q21, q31)
+    t0, t1, t2, t3 = cat(_T2_0(e), _T2_0(g)), cat(_T2_1(e), _T2_1(g)), cat(_T2_0(f), _T2_0(h)), cat(_T2_1(f), _T2_1(h))
+    st(u, uo, _T3_0(t0))
+    st(u, uo + _R, _T3_1(t0))
+    st(u, uo + 2 * _R, _T3_0(t1))
+    st(u, uo + 3 * _R, _T3_1(t1))
+    st(u, uo + 4 * _R, _T3_0(t2))
+    st(u, uo + 5 * _R, _T3_1(t2))
+    st(u, uo + 6 * _R, _T3_0(t3))
+    st(u, uo + 7 * _R, _T3_1(t3))
 
 
 @njit(fastmath=True, inline="always")
-def _unpack_32(w, ro, nb, rr, u, s, mn, block, nbytes):
+def _unpack_32(w, ro, nb, rr, tmp, s, mn, block, nbytes):
     for b in range(nb):
         q, off, d, m = block(w, ro + nbytes * b)
-        _scatter(u, 8 * b * _R + rr, view(q, np.uint32))
+        st(tmp, rr * (8 * nb) + 8 * b, view(q, np.uint32))
         s[b * _R + rr] = d
         mn[b * _R + rr] = m
 
 
 @njit(fastmath=True, inline="always")
-def _unpack_k(w, ro, nsup, rr, u, s, mn, scales, quants, nbytes, sb):
+def _unpack_k(w, ro, nsup, rr, tmp, s, mn, scales, quants, nbytes, sb):
     per = 256 // sb  # sub-blocks per super-block
     for b in range(nsup):
         o = ro + nbytes * b
         d, dmin, sc, mv = scales(w, o)
         for c in range(8):
-            _scatter(u, (64 * b + 8 * c) * _R + rr, view(quants(w, o, c), np.uint32))
+            st(tmp, rr * (64 * nsup) + 64 * b + 8 * c, view(quants(w, o, c), np.uint32))
         for j in range(per):
             e = j * (16 // per)  # scales come per 16 (repeated for sub-blocks of 32)
             s[(per * b + j) * _R + rr] = d * f32(lane(sc, e))
@@ -127,39 +150,44 @@ def _unpack_k(w, ro, nsup, rr, u, s, mn, scales, quants, nbytes, sb):
 
 
 @njit(fastmath=True)
-def _unpack(qtype, w, rb, r0, nr, k, u, s, mn):
+def _unpack(qtype, w, rb, r0, nr, k, u, s, mn, tmp):
+    """The tile's rows decoded row by row into tmp (_R, k/4), then transposed into u."""
     for rr in range(nr):
         ro = (r0 + rr) * rb
         if qtype == Q4_0:
-            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q4_0, 18)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q4_0, 18)
         elif qtype == Q4_1:
-            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q4_1, 20)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q4_1, 20)
         elif qtype == Q5_0:
-            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q5_0, 22)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q5_0, 22)
         elif qtype == Q5_1:
-            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q5_1, 24)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q5_1, 24)
         elif qtype == Q8_0:
-            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_q8_0, 34)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q8_0, 34)
         elif qtype == IQ4_NL:
-            _unpack_32(w, ro, k // 32, rr, u, s, mn, _block_iq4_nl, 18)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_iq4_nl, 18)
         elif qtype == Q2_K:
-            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_q2_k, _quants_q2_k, 84, 16)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q2_k, _quants_q2_k, 84, 16)
         elif qtype == Q3_K:
-            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_q3_k, _quants_q3_k, 110, 16)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q3_k, _quants_q3_k, 110, 16)
         elif qtype == Q4_K:
-            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_k4, _quants_q4_k, 144, 32)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_k4, _quants_q4_k, 144, 32)
         elif qtype == Q5_K:
-            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_k4, _quants_q5_k, 176, 32)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_k4, _quants_q5_k, 176, 32)
         elif qtype == Q6_K:
-            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_q6_k, _quants_q6_k, 210, 16)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q6_k, _quants_q6_k, 210, 16)
         else:
-            _unpack_k(w, ro, k // 256, rr, u, s, mn, _scales_iq4_xs, _quants_iq4_xs, 136, 32)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_iq4_xs, _quants_iq4_xs, 136, 32)
+    k4 = k // 4
     for rr in range(nr, _R):
-        for g in range(k // 4):
-            u[g * _R + rr] = 0
+        for g in range(k4):
+            tmp[rr * k4 + g] = 0
         for j in range(s.size // _R):
             s[j * _R + rr] = 0
             mn[j * _R + rr] = 0
+    for h in range(2):
+        for b in range(k // 32):
+            _transpose(tmp, k4, 16 * h * k4 + 8 * b, u, 8 * b * _R + 16 * h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +305,8 @@ def _igemm(x, ws, qtype, out, col0):
         u = np.empty(k // 4 * _R, np.uint32)
         s = np.empty(nsb * _R, np.float32)
         mn = np.empty(nsb * _R, np.float32)
-        _unpack(qtype, w.reshape(-1), rb, r0, nr, k, u, s, mn)
+        tmp = np.empty(k // 4 * _R, np.uint32)
+        _unpack(qtype, w.reshape(-1), rb, r0, nr, k, u, s, mn, tmp)
         res = np.empty(_T * _R, np.float32)
         for g in range(npad // _T):
             _tile(u, s, mn, xq4, dx, xo, xs, k, sb, has_min, g * _T, res)

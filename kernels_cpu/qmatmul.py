@@ -51,7 +51,6 @@ _FLOAT_TYPES = (F32, F16, BF16)
 # What a matmul does to its input first (qmatmul's `pre`): nothing, rmsnorm, or a gated activation.
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
-SMALL_N = 7  # up to this many tokens: integer dots on rows read once (decode); measured crossover ~8
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
 _TOK = 32
@@ -410,6 +409,9 @@ _PSHUFB = {n: name for n, name, ok in (
 # float_prefill()) keeps float prefill: to measure a cache's own effect, since int8 activations
 # add a rounding of their own (KL ~0.003 against float activations, as llama.cpp's do).
 INT8_PREFILL = bool(_VPDPBUSD) and os.environ.get("EDGEKV_PREFILL", "") != "float"
+# Up to this many tokens: integer dots on rows read once (decode). Measured crossovers: ~8 tokens
+# against the float prefill tiles, ~16-24 against the int8 GEMM (which unpacks every tile first).
+SMALL_N = 15 if _VPDPBUSD else 7
 
 
 @contextlib.contextmanager
