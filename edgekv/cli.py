@@ -604,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", metavar="OUT.gguf", help="file to write")
     s.add_argument("--arch", default="llama", choices=["llama", "gemma2", "gemma3", "qwen3", "granite", "phi3"], help="architecture")
     s.add_argument("--size", default="7b", help="llama: tiny, 1b, 7b, 13b, 8b (Llama-3.1), 12b (Mistral-Nemo); "
-                   "gemma2: tiny, 9b; gemma3: tiny, 270m, 1b; qwen3: tiny, 8b; granite: tiny, 8b; phi3: tiny, 3.8b (Phi-3.5-mini)")
+                   "gemma2: tiny, 9b; gemma3: tiny, 270m, 1b; qwen3: tiny, 8b; granite: tiny, 8b; "
+                   "phi3: tiny, tiny-phi4, 3.8b (Phi-3.5-mini), 4b (Phi-4-mini)")
     s.add_argument("--type", default="q4_0", help="q4_0, q5_0, q8_0, q4_k, q6_k, f16, f32")
     s.add_argument("--seed", type=int_range(0, 2**64 - 1, "2**64 - 1"), default=0, help="same seed, same bytes")
     s.add_argument("-q", "--quiet", **quiet)

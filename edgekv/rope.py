@@ -15,8 +15,9 @@ As llama.cpp computes them (ggml's rope with freq_factors, ext_factor and attn_f
 
 and the rotated dims of q and k multiplied by attn_factor (YaRN: 1 + 0.1 ln(1/s); LongRoPE:
 rope.scaling.attn_factor, sqrt(1 + ln(n_ctx_train / n_ctx_orig) / ln(n_ctx_orig)) as
-convert_hf_to_gguf writes it for Phi-3, applied with the short factors too), which the models
-fold into the attention scale as attn_factor**2 (q.k is all that sees them).
+convert_hf_to_gguf writes it for Phi-3, applied with the short factors too). Every backend's
+rope applies it as ggml does, on cos and sin: with partial rotation (Phi-4-mini: 96 of 128
+dims) the dims past n_rot keep their size, so no attention scale could stand in for it.
 
 LongRoPE (phi3) picks its factors once per context, as llama.cpp's get_rope_factors does: the
 long ones when the context the model runs with (n_ctx, rounded up to a multiple of 256 as
@@ -39,7 +40,7 @@ SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # longrope: the factor t
 class Rope:
     freqs: np.ndarray  # (n_rot/2,) float64: pair i turns by pos * freqs[i] radians
     neox: bool  # pairs (i, i + n_rot/2) (llama.cpp's NEOX) instead of (2i, 2i+1) (NORM)
-    attn_factor: float = 1.0  # magnitude of rotated q and k (YaRN); models scale attention by its square
+    attn_factor: float = 1.0  # magnitude of the rotated dims of q and k (YaRN, LongRoPE), applied by rope
 
     @property
     def n_rot(self) -> int:
@@ -98,7 +99,7 @@ LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 CTX_PAD = 256  # llama.cpp's context is a multiple of this (n_ctx_seq), and LongRoPE compares that
 
 
-def from_gguf(f, n_rot: int, head_dim: int, neox: bool, base: float | None = None, factors: bool = True,
+def from_gguf(f, n_rot: int, neox: bool, base: float | None = None, factors: bool = True,
               n_ctx: int | None = None) -> Rope:
     """The Rope of a GGUF's `<arch>.rope.*` keys and rope_freqs.weight (or LongRoPE's
     rope_factors_long/short.weight), as llama.cpp reads them (llama_model::load_hparams,
@@ -132,9 +133,6 @@ def from_gguf(f, n_rot: int, head_dim: int, neox: bool, base: float | None = Non
         yarn = (n_ctx_orig, YARN_BETA_FAST, YARN_BETA_SLOW)
         if s < 1.0:  # ggml's magnitude correction (llama.cpp cancels its own get_mscale against it)
             attn_factor *= 1.0 + 0.1 * math.log(1.0 / s)
-    if attn_factor != 1.0 and n_rot != head_dim:
-        raise UnsupportedModelError(f"rope attention factor {attn_factor:g} with partial rotation "
-                                    f"({n_rot} of {head_dim} dims)")
     return Rope(rope_freqs(base, n_rot, s, ff, yarn), neox, attn_factor)
 
 

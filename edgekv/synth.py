@@ -71,9 +71,17 @@ SIZES: dict[str, dict[str, dict]] = {
     "phi3": {
         # GQA 4/2 (Phi-4-mini has it; Phi-3.5-mini has 32/32), fused attn_qkv and gate/up ffn_up
         "tiny": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320, n_ctx=512),
+        # Phi-4-mini's layout, small: RoPE over 48 of 64 dims, LongRoPE over an original context of
+        # 8 (at n_ctx 512 the long factors, 1 .. 64, and attn_factor sqrt(3) on the rotated dims), tied
+        "tiny-phi4": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320, n_ctx=512,
+                          rope_dim=48, rope_longrope=8, tied=True),
         # Phi-3.5-mini-instruct: LongRoPE over an original context of 4096 (attn_factor 1.19)
         "3.8b": dict(n_layer=32, n_embd=3072, n_head=32, n_head_kv=32, n_ff=8192, n_vocab=32064, n_ctx=131072,
                      rope_longrope=4096, sliding_window=262144),
+        # Phi-4-mini-instruct: GQA 24/8, RoPE over 96 of 128 dims, LongRoPE over 4096, tied output
+        # (its o200k BPE vocabulary of 200064 is stood in for by a SentencePiece one of that size)
+        "4b":   dict(n_layer=32, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, n_vocab=200064, n_ctx=131072,
+                     rope_longrope=4096, rope_dim=96, sliding_window=262144, tied=True),
     },
     "gemma3": {
         # 7 layers so that layer 5 is global and the others slide over 8 tokens
@@ -97,8 +105,9 @@ DEFAULTS = {
     "granite": dict(rope_base=10000.0, norm_eps=1e-5, rope_yarn=None, embedding_scale=12.0, residual_scale=0.22,
                     attention_scale=0.0078125, logit_scale=16.0),
     # rope_longrope: original context -> rope_factors_long/short.weight (synthetic ramps, longrope_factors)
-    # and rope.scaling.attn_factor as convert_hf_to_gguf computes it; rope_dim: rotated dims (None: all)
-    "phi3": dict(rope_base=10000.0, norm_eps=1e-5, rope_longrope=None, rope_dim=None, sliding_window=0),
+    # and rope.scaling.attn_factor as convert_hf_to_gguf computes it; rope_dim: rotated dims (None: all);
+    # tied: no output.weight (Phi-4-mini), the output reads token_embd
+    "phi3": dict(rope_base=10000.0, norm_eps=1e-5, rope_longrope=None, rope_dim=None, sliding_window=0, tied=False),
 }
 # fmt: on
 
@@ -249,7 +258,7 @@ def _tensor_plan(arch: str, hp: dict, bulk: str) -> list[tuple[str, tuple[int, .
             t = K_FALLBACK[t]
         return (name, shape, t)
 
-    tied = arch in ("gemma2", "gemma3")  # Gemma reuses token_embd as the output projection
+    tied = arch in ("gemma2", "gemma3") or hp.get("tied")  # token_embd is also the output projection
     plan = [weight("token_embd.weight", (V, e), out_type if tied else bulk)]
     if hp.get("rope_llama3"):
         plan.append(("rope_freqs.weight", (hp["head_dim"] // 2,), "F32"))
@@ -531,6 +540,13 @@ PEAKED_TYPES = ("F32", "F16", "Q8_0")
 PEAK, SPREAD = 8.0, 2.0  # successor's logit; std of the other logits (nats)
 SCORE_STD, ATTN_OUT, FFN_OUT = 3.0, 1.0, 0.3
 QK_NORM_GAIN = 1.7  # qwen3's q/k norm weights: scores come from these, not from the raw q/k size
+# A tied output (phi3 tied=True) has no row to put the successor in. Instead tokens come in
+# pairs (a, b) with E[b] = sign * E[a] and output_norm = gain * sign (random signs): the logit
+# of b after a (and of a after b) is gain * E[a].E[a], while a token's own logit and the
+# others' sum signs and stay small. What the layers add moves the others by ~|c| / sqrt(e) of
+# the peak, so attention adds more here (TIED_ATTN_OUT: at 2.5 it barely moved them; at 4 an
+# int4 cache is at the edge of its KL 0.02 from f16).
+TIED_ATTN_OUT = 3.5
 
 
 def _peaked_weights(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
@@ -543,6 +559,12 @@ def _peaked_weights(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
     # granite: attention.scale replaces 1/sqrt(head_dim); q and k make up the difference
     qk_mul = np.sqrt((1.0 / np.sqrt(hd)) / hp["attention_scale"]) if "attention_scale" in hp else 1.0
     E = gauss(V, e)
+    tied = hp.get("tied")
+    attn_out = TIED_ATTN_OUT if tied else ATTN_OUT
+    if tied:
+        sign = np.where(rng.random(e) < 0.5, -1.0, 1.0).astype(np.float32)
+        pairs = rng.permutation(V)[: V // 2 * 2].reshape(-1, 2)
+        E[pairs[:, 1]] = E[pairs[:, 0]] * sign
     out: dict[str, np.ndarray] = {"token_embd.weight": E / g["embedding_scale"]}
     if hp.get("rope_llama3"):
         out["rope_freqs.weight"] = _llama3_factors(hp)
@@ -551,8 +573,15 @@ def _peaked_weights(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
     qk_std = np.sqrt(SCORE_STD / e)  # q_i, k_i of std sqrt(SCORE_STD): scores q.k/sqrt(hd) of std SCORE_STD
     if arch == "qwen3":
         qk_std = 0.3 / np.sqrt(e)  # raw q, k small: the norms set the scale
-    if arch == "phi3" and hp.get("rope_longrope"):  # LongRoPE's attn_factor**2 on q.k: scores keep SCORE_STD
-        qk_std /= longrope_attn_factor(hp["n_ctx"], hp["rope_longrope"])
+    qk_dims = np.full(hd, qk_std)  # per dim of a head (float64 until the weights are made)
+    if arch == "phi3" and hp.get("rope_longrope"):  # LongRoPE's attn_factor on rotated q and k: scores keep SCORE_STD
+        af, n_rot = longrope_attn_factor(hp["n_ctx"], hp["rope_longrope"]), hp["rope_dim"]
+        if n_rot == hd:
+            qk_dims /= af
+        else:  # rotated and pass-through dims give half the score variance each, so either matters
+            qk_dims[:n_rot] *= (hd / (2 * n_rot)) ** 0.25 / af
+            qk_dims[n_rot:] *= (hd / (2 * (hd - n_rot))) ** 0.25
+    qk_rows = lambda n: (np.tile(qk_dims, n) * qk_mul).astype(np.float32)[:, None]  # noqa: E731  (n * hd, 1)
     for i in range(L):
         p = f"blk.{i}."
         out[p + "attn_norm.weight"] = np.ones(e, np.float32)
@@ -560,19 +589,22 @@ def _peaked_weights(arch: str, hp: dict, seed: int) -> dict[str, np.ndarray]:
         if arch == "qwen3":
             for x in "qk":
                 out[p + f"attn_{x}_norm.weight"] = np.float32(QK_NORM_GAIN) * (1 + 0.2 * gauss(hd))
-        out[p + "attn_q.weight"] = gauss(H * hd, e) * np.float32(qk_std * qk_mul)
-        out[p + "attn_k.weight"] = gauss(Hkv * hd, e) * np.float32(qk_std * qk_mul)
+        out[p + "attn_q.weight"] = gauss(H * hd, e) * qk_rows(H)
+        out[p + "attn_k.weight"] = gauss(Hkv * hd, e) * qk_rows(Hkv)
         out[p + "attn_v.weight"] = gauss(Hkv * hd, e) / np.float32(np.sqrt(e))
-        out[p + "attn_output.weight"] = gauss(e, H * hd) * np.float32(ATTN_OUT / np.sqrt(H * hd) / g["residual_scale"])
+        out[p + "attn_output.weight"] = gauss(e, H * hd) * np.float32(attn_out / np.sqrt(H * hd) / g["residual_scale"])
         out[p + "ffn_gate.weight"] = gauss(ff, e) / np.float32(np.sqrt(e))
         out[p + "ffn_up.weight"] = gauss(ff, e) / np.float32(np.sqrt(e))
         out[p + "ffn_down.weight"] = gauss(e, ff) * np.float32(FFN_OUT / (0.5 * np.sqrt(ff)) / g["residual_scale"])
         if arch == "phi3":  # the same matrices, stacked as phi3 stores them
             out[p + "attn_qkv.weight"] = np.concatenate([out.pop(p + f"attn_{x}.weight") for x in "qkv"])
             out[p + "ffn_up.weight"] = np.concatenate([out.pop(p + "ffn_gate.weight"), out.pop(p + "ffn_up.weight")])
+    share = 1.0 / np.sqrt(1.0 + L * (attn_out**2 + FFN_OUT**2))  # E[t]'s part of the normed residual
+    if tied:
+        out["output_norm.weight"] = sign * np.float32(PEAK / (share * e))
+        return out
     out["output_norm.weight"] = np.ones(e, np.float32)
     pred = np.argsort(rng.permutation(V))  # pred[u]: the token whose successor is u
-    share = 1.0 / np.sqrt(1.0 + L * (ATTN_OUT**2 + FFN_OUT**2))  # E[t]'s part of the normed residual
     out["output.weight"] = (E[pred] * np.float32(PEAK / (share * e)) + gauss(V, e) * np.float32(SPREAD / np.sqrt(e))) \
         * np.float32(g["logit_scale"])
     return out

@@ -10,7 +10,7 @@ The block, every norm an RMSNorm times its weight, [..] the optional parts (empt
 
     qkv = norm(x, attn_norm) @ Wqkv.T [+ qkv_bias]       q, k, v: heads of qkv side by side
     [q = norm(q, q_norm); k = norm(k, k_norm)]           per head
-    q, k = rope(q), rope(k) at the token's position
+    q, k = rope(q), rope(k) at the token's position     rotated dims times rope_mag (attn_factor)
     a = attention of q over the layer's cache, k and v stored there (kvquant.kv_decode)
     x += [norm(] r * a @ Wo.T [, post_attn_norm)]       r: the residual scale (granite; else 1)
     g, u = norm(x, ffn_norm) @ Wgu.T                     gate and up side by side
@@ -39,7 +39,7 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     wqkv, tqkv, mqkv, wo, to, wgu, tgu, mgu, wdown, tdown = W
     attn_norm, qkv_bias, q_norm, k_norm, post_attn, ffn_norm, post_ffw = N
     H, Hkv, hd, act = dims
-    inv_freq, neox, n_rope_heads, shift = rope
+    inv_freq, neox, n_rope_heads, shift, mag = rope
     e1 = np.empty(0, np.float32)  # absent pre_w / post_w / residual (module globals would be read-only)
     e2 = np.empty((0, 0), np.float32)
     # constants reach _qmatvec as plain int64: a literal argument would compile another _qmatvec
@@ -63,14 +63,14 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
             _rmsnorm_row(heads, k_norm, eps, heads, h)
     cs = np.empty(inv_freq.shape[0], np.float32)
     sn = np.empty(inv_freq.shape[0], np.float32)
-    _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, 0, cs, sn)  # q and k: the first H + Hkv heads
+    _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, 0, cs, sn, mag)  # q and k: the first H + Hkv heads
     # copies, not slice assignments: each of those compiles numba's shape-mismatch message (~1 s cold)
     q = qkv3[:, :H].copy()  # (1, H, hd)
     k = qkv3[:, H : H + Hkv].copy()
     v = qkv3[:, H + Hkv :].copy()
     a = np.empty((1, H, hd), np.float32)
     # numba's disk cache tracks this file only: edit it whenever _decode_core changes, or a stale
-    # compiled copy of the old one stays in use (it takes the attention soft-cap now)
+    # compiled copy of the old one stays in use (its sink re-rotation leaves out the rope magnitude now)
     _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a, softcap)
     if res_scale != 1:
         a *= res_scale
@@ -113,12 +113,14 @@ def _vec(a, n: int, what: str) -> np.ndarray:
 
 def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_attn_norm, ffn_norm, gate_up, act,
                ffn_down, post_ffw_norm, n_head: int, n_head_kv: int, head_dim: int, eps: float, scale: float,
-               rope_freqs: np.ndarray, rope_neox: bool, residual_scale: float = 1.0, softcap: float = 0.0) -> tuple:
+               rope_freqs: np.ndarray, rope_neox: bool, rope_mag: float = 1.0, residual_scale: float = 1.0,
+               softcap: float = 0.0) -> tuple:
     """A block's weights (QWeights, fused ones as tuples of runs) and norm vectors (float32;
     None = that step is absent) checked once and packed for `decode_block`. act: "silu" or
     "gelu"; rope_freqs (n_rot/2,) float64, any per-pair frequencies (edgekv/rope.py); RoPE
-    turns q and k (all heads). residual_scale: both branches' outputs times this. softcap:
-    the attention scores' soft-cap (kvquant.kv_attention's; 0 = off)."""
+    turns q and k (all heads), their rotated dims times rope_mag (ggml's attn_factor).
+    residual_scale: both branches' outputs times this. softcap: the attention scores' soft-cap
+    (kvquant.kv_attention's; 0 = off)."""
     H, Hkv, hd = n_head, n_head_kv, head_dim
     d = attn_output.m
     wqkv, tqkv, mqkv = _runs(qkv)
@@ -137,7 +139,7 @@ def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_at
          _vec(post_ffw_norm, d, "post_ffw_norm"))
     return W, N, (H, Hkv, hd, PRE[act]), np.float64(eps), \
         (np.float32(scale), np.float32(residual_scale), np.float32(softcap)), \
-        (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv)
+        (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv, float(rope_mag))
 
 
 def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, n_written: int, shift: int) -> np.ndarray:
@@ -145,7 +147,7 @@ def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, n_
     in place through the block `pack` (block_pack) over a layer's cache (kvquant.kv_decode_layer,
     n_written tokens written; shift as kv_decode's). Unchecked: a backend's decode step. Returns x;
     the caller advances the cache's write cursor."""
-    W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads) = pack
-    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, shift), layer, n_written,
+    W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads, mag) = pack
+    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, shift, mag), layer, n_written,
                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), softcap)
     return x

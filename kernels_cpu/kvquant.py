@@ -967,7 +967,7 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out, softcap):
         spos[0] = -shift
         cs = np.empty(inv_freq.shape[0], np.float32)
         sn = np.empty(inv_freq.shape[0], np.float32)
-        _rope_token(qr, spos, inv_freq, neox, n_head, 0, cs, sn)
+        _rope_token(qr, spos, inv_freq, neox, n_head, 0, cs, sn, 1.0)  # q holds its magnitude already
         if rotated:
             qs = np.empty((1, n_head, hd), np.float32)
             for h in range(n_head):

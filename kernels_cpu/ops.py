@@ -156,14 +156,15 @@ _ROPE = dict(cache=True, error_model="numpy")
 
 
 @njit(inline="always", **_ROPE)
-def _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn):
+def _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn, mag):
+    # mag: ggml's attn_factor, on cos and sin, so it scales the rotated dims only
     half = inv_freq.shape[0]
     p = np.float64(pos[t])
     for i in range(half):
         # float64 angle: at positions ~1e7 a float32 angle would be off by radians
         a = p * inv_freq[i]
-        cs[i] = np.float32(math.cos(a))
-        sn[i] = np.float32(math.sin(a))
+        cs[i] = np.float32(math.cos(a) * mag)
+        sn[i] = np.float32(math.sin(a) * mag)
     for h in range(nh):
         if neox:
             for i in range(half):
@@ -180,21 +181,21 @@ def _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn):
 
 
 @njit(**_ROPE)
-def _rope_serial(x, pos, inv_freq, neox, nh):
+def _rope_serial(x, pos, inv_freq, neox, nh, mag):
     half = inv_freq.shape[0]
     cs = np.empty(half, np.float32)
     sn = np.empty(half, np.float32)
     for t in range(x.shape[0]):
-        _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn)
+        _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn, mag)
 
 
 @njit(parallel=True, **_ROPE)
-def _rope_parallel(x, pos, inv_freq, neox, nh):
+def _rope_parallel(x, pos, inv_freq, neox, nh, mag):
     half = inv_freq.shape[0]
     for t in prange(x.shape[0]):
         cs = np.empty(half, np.float32)
         sn = np.empty(half, np.float32)
-        _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn)
+        _rope_token(x, pos, inv_freq, neox, nh, t, cs, sn, mag)
 
 
 _inv_freq_cache: dict[tuple[float, int, float], np.ndarray] = {}
@@ -231,9 +232,12 @@ def rope(
     return rotate(x, pos, rope_freqs(theta_base, n_rot, freq_scale), neox, heads)
 
 
-def rotate(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool, heads: int | None = None) -> np.ndarray:
+def rotate(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool, heads: int | None = None,
+           mag: float = 1.0) -> np.ndarray:
     """rope with any per-pair frequencies: pair i turns by pos * inv_freq[i] ((n_rot/2,) float64;
-    llama3 factors and YaRN are such frequencies, edgekv/rope.py). Returns x, rotated in place."""
+    llama3 factors and YaRN are such frequencies, edgekv/rope.py), and the rotated dims are
+    multiplied by mag (ggml's attn_factor; dims from n_rot on stay as they are). Returns x,
+    rotated in place."""
     if x.dtype is not _F32 or x.ndim != 3 or pos.dtype is not _I64 or pos.shape != x.shape[:1]:
         raise ValueError(
             f"rope: x {x.dtype}{x.shape} must be float32 (n, heads, hd), pos {pos.dtype}{pos.shape} int64 (n,)"
@@ -245,9 +249,9 @@ def rotate(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool, hea
     if not 0 <= nh <= x.shape[1]:
         raise ValueError(f"rope: heads={heads} outside the {x.shape[1]} heads of x")
     if x.size >= ROPE_PAR_MIN:
-        _rope_parallel(x, pos, inv_freq, bool(neox), nh)
+        _rope_parallel(x, pos, inv_freq, bool(neox), nh, float(mag))
     else:
-        _rope_serial(x, pos, inv_freq, bool(neox), nh)
+        _rope_serial(x, pos, inv_freq, bool(neox), nh, float(mag))
     return x
 
 

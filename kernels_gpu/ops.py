@@ -131,7 +131,7 @@ def _rmsnorm_kernel(x, w, eps, out):
 
 
 @cuda.jit
-def _rope_kernel(x, pos, inv_freq, neox):
+def _rope_kernel(x, pos, inv_freq, neox, mag):
     n, nh = x.shape[0], x.shape[1]
     half = inv_freq.shape[0]
     i = cuda.grid(1)
@@ -142,8 +142,8 @@ def _rope_kernel(x, pos, inv_freq, neox):
     h = th % nh
     t = th // nh
     a = np.float64(pos[t]) * inv_freq[p]  # float64: at positions ~1e7 a float32 angle is off by radians
-    c = np.float32(math.cos(a))
-    s = np.float32(math.sin(a))
+    c = np.float32(math.cos(a) * mag)  # mag: ggml's attn_factor, on the rotated dims only
+    s = np.float32(math.sin(a) * mag)
     if neox:
         i0 = p
         i1 = p + half
@@ -242,17 +242,17 @@ def rmsnorm(x, w, eps: float, out=None):
     return out
 
 
-def rope(x, pos, inv_freq, neox: bool):
+def rope(x, pos, inv_freq, neox: bool, mag: float = 1.0):
     """Rotate x (n, heads, hd) in place by positions pos (n,) int64; inv_freq (n_rot/2,) float64
-    holds freq_scale * base**(-2i/n_rot) (see kernels_cpu.ops.rope). x may be a strided view
-    (the q and k heads of a fused QKV). Returns x."""
+    holds pair i's angle per position, the rotated dims times mag (kernels_cpu.ops.rotate). x
+    may be a strided view (the q and k heads of a fused QKV). Returns x."""
     _f32("rope", x, 3, contiguous=False)
     n, nh, hd = x.shape
     if pos.dtype != np.int64 or pos.shape != (n,) or inv_freq.dtype != np.float64 or 2 * inv_freq.shape[0] > hd:
         raise ValueError(f"rope: pos {pos.dtype}{pos.shape} must be int64 ({n},), inv_freq float64 of at most {hd // 2}")
     total = n * nh * inv_freq.shape[0]
     if total:
-        _launch(_rope_kernel, *launch.elementwise(total), x, pos, inv_freq, bool(neox))
+        _launch(_rope_kernel, *launch.elementwise(total), x, pos, inv_freq, bool(neox), float(mag))
     return x
 
 

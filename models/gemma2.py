@@ -57,7 +57,7 @@ class Config:
             n_vocab=f.tensor("token_embd.weight").shape[0],
             n_ctx_train=f.get(f"{a}.context_length", 8192, kind=int),
             norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6, kind=(int, float))),
-            rope=ropes.from_gguf(f, head_dim, head_dim, neox=True, factors=False,
+            rope=ropes.from_gguf(f, head_dim, neox=True, factors=False,
                                  base=float(f.get(f"{a}.rope.freq_base", 10000.0, kind=(int, float)))),
             sliding_window=f.get(f"{a}.attention.sliding_window", 4096, kind=int),
             # llama.cpp (after gemma_pytorch): query_pre_attn_scalar is n_embd / n_head for the 27B

@@ -56,7 +56,7 @@ class Config:
             n_vocab=f.tensor("token_embd.weight").shape[0],
             n_ctx_train=f.get(f"{a}.context_length", 32768, kind=int),
             norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6, kind=(int, float))),
-            rope=ropes.from_gguf(f, head_dim, head_dim, neox=True, factors=False,
+            rope=ropes.from_gguf(f, head_dim, neox=True, factors=False,
                                  base=float(f.get(f"{a}.rope.freq_base", 1e6, kind=(int, float)))),
             sliding_window=f.get(f"{a}.attention.sliding_window", 0, kind=int),
             # gemma_pytorch: query_pre_attn_scalar is n_embd/n_head for the 27B (62 layers), head_dim otherwise
@@ -109,8 +109,7 @@ class Model:
             p = f"blk.{i}."
             self.layers.append(dict(
                 window=window,
-                rope=local if window else cfg.rope,
-                attn_scale=cfg.attn_scale * (1.0 if window else cfg.rope.attn_factor**2),  # YaRN's q/k magnitude
+                rope=local if window else cfg.rope,  # the global one carries YaRN's q/k magnitude
                 attn_norm=norm(p + "attn_norm.weight"),
                 attn_qkv=be.fuse([f.tensor(p + f"attn_{x}.weight") for x in "qkv"]),
                 attn_q_norm=norm(p + "attn_q_norm.weight"),
@@ -128,7 +127,7 @@ class Model:
             k_norm=L["attn_k_norm"], attn_output=L["attn_output"], post_attn_norm=L["post_attention_norm"],
             ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"], act="gelu", ffn_down=L["ffn_down"],
             post_ffw_norm=L["post_ffw_norm"], n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
-            eps=cfg.norm_eps, scale=L["attn_scale"], rope=L["rope"])
+            eps=cfg.norm_eps, scale=cfg.attn_scale, rope=L["rope"])
             for L in self.layers]
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
@@ -145,7 +144,7 @@ class Model:
             qkv = qkv.reshape(n, H + 2 * Hkv, hd)  # heads: q, k, v
             q = be.rope(be.rmsnorm(qkv[:, :H], L["attn_q_norm"], eps), pos, L["rope"])
             k = be.rope(be.rmsnorm(qkv[:, H : H + Hkv], L["attn_k_norm"], eps), pos, L["rope"])
-            a = be.attention(q, pos, cache[i], k, qkv[:, H + Hkv :], L["attn_scale"], L["rope"])  # (n, H, hd)
+            a = be.attention(q, pos, cache[i], k, qkv[:, H + Hkv :], cfg.attn_scale, L["rope"])  # (n, H, hd)
             x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x, post_w=L["post_attention_norm"], eps=eps)
             gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
             x = be.matmul(gu, L["ffn_down"], pre="gelu", residual=x, post_w=L["post_ffw_norm"], eps=eps)

@@ -65,7 +65,7 @@ class Config:
             n_ctx_train=f.get(f"{a}.context_length", 4096, kind=int),
             norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5, kind=(int, float))),
             rope_dim=rope_dim,
-            rope=ropes.from_gguf(f, rope_dim, head_dim, neox=a in NEOX_ARCHS),
+            rope=ropes.from_gguf(f, rope_dim, neox=a in NEOX_ARCHS),
             **(granite_scales(f) if a == "granite" else {}),
         )
         cfg.validate(f)
@@ -134,7 +134,7 @@ class Model:
         self.output = be.prepare(f.tensor("output.weight")) if "output.weight" in f.tensors else self.token_embd
         self.output_norm = norm("output_norm.weight")
         # YaRN's magnitude on q and k enters as its square
-        self.attn_scale = cfg.rope.attn_factor**2 * (cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim))
+        self.attn_scale = cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim)  # YaRN's magnitude: in rope
         self.layers = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."

@@ -2,10 +2,11 @@
 llama's pre-norm block with q, k and v in one attn_qkv.weight (rows q, k, v), gate and up in one
 ffn_up.weight (first half gate, second half up, SiLU), NeoX RoPE over rope.dimension_count dims
 (Phi-4-mini: 96 of 128) and LongRoPE: per-pair factors rope_factors_long/short.weight picked by the
-context the model runs with against rope.scaling.original_context_length, with the q/k
-magnitude rope.scaling.attn_factor (edgekv/rope.py). attention.sliding_window (Phi-3-mini-4k:
-2047; Phi-3.5-mini: 262144, past its context) is read but not applied: llama.cpp disables Phi's
-sliding window (its PR 13676), and edgekv follows it. Weights keep their GGUF names.
+context the model runs with against rope.scaling.original_context_length, with
+rope.scaling.attn_factor on the rotated dims of q and k (edgekv/rope.py). GQA; a tied output
+(Phi-4-mini) reads token_embd. attention.sliding_window (Phi-3-mini-4k: 2047; Phi-3.5-mini:
+262144, past its context) is read but not applied: llama.cpp disables Phi's sliding window
+(its PR 13676), and edgekv follows it. Weights keep their GGUF names.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class Config:
             n_ctx_orig=f.get(f"{a}.rope.scaling.original_context_length", 0, kind=int) or n_ctx_train,
             norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5, kind=(int, float))),
             rope_dim=rope_dim,
-            rope=ropes.from_gguf(f, rope_dim, head_dim, neox=True, n_ctx=n_ctx),
+            rope=ropes.from_gguf(f, rope_dim, neox=True, n_ctx=n_ctx),
             file_window=f.get(f"{a}.attention.sliding_window", 0, kind=int),
         )
         cfg.validate(f)
@@ -113,9 +114,8 @@ class Model:
         self.token_embd = be.prepare(f.tensor("token_embd.weight"))
         self.output = be.prepare(f.tensor("output.weight")) if "output.weight" in f.tensors else self.token_embd
         self.output_norm = norm("output_norm.weight")
-        # LongRoPE's magnitude on the rotated q and k (all of them: partial rotation is refused
-        # with a factor by rope.from_gguf) enters as its square
-        self.attn_scale = cfg.rope.attn_factor**2 / math.sqrt(cfg.head_dim)
+        # LongRoPE's attn_factor is not in here: rope applies it to the rotated dims only
+        self.attn_scale = 1.0 / math.sqrt(cfg.head_dim)
         self.layers = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."

@@ -52,7 +52,7 @@ class Config:
             n_vocab=f.tensor("token_embd.weight").shape[0],
             n_ctx_train=f.get(f"{a}.context_length", 40960, kind=int),
             norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6, kind=(int, float))),
-            rope=ropes.from_gguf(f, head_dim, head_dim, neox=True, factors=False),
+            rope=ropes.from_gguf(f, head_dim, neox=True, factors=False),
         )
         cfg.validate(f)
         validate_model(f, cfg)
@@ -93,7 +93,7 @@ class Model:
         self.token_embd = be.prepare(f.tensor("token_embd.weight"))
         self.output = be.prepare(f.tensor("output.weight")) if "output.weight" in f.tensors else self.token_embd
         self.output_norm = norm("output_norm.weight")
-        self.attn_scale = cfg.rope.attn_factor**2 / math.sqrt(cfg.head_dim)  # YaRN's magnitude on q and k
+        self.attn_scale = 1.0 / math.sqrt(cfg.head_dim)  # YaRN's magnitude on q and k: in rope
         self.layers = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."

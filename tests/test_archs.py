@@ -1,11 +1,13 @@
 """The newer architectures (llama with llama3 RoPE factors, qwen3 with YaRN, granite, llama with
-Mistral-Nemo's key_length heads, gemma2 with soft-caps and sliding windows, phi3 with LongRoPE)
-against llama.cpp on small synthetic models with peaked
-next-token distributions (write_synthetic(peaked=True); fixtures/record_archs.py recorded
-llama.cpp on them), teacher-forced at every one of 400 positions, F16, Q8_0 (both written here
-by edgekv synth, byte-identical to what llama.cpp saw) and Q4_K_M (llama.cpp's quantizer, kept in fixtures/archs/). Each feature is shown to
-matter: with it switched off edgekv fails the same thresholds (nemo's head size has no such
-control: with n_embd / n_head instead of key_length its tensors do not fit and it is refused)."""
+Mistral-Nemo's key_length heads, gemma2 with soft-caps and sliding windows, phi3 with LongRoPE,
+phi3 with Phi-4-mini's partial rotation, LongRoPE attention factor and tied output) against
+llama.cpp on small synthetic models with peaked next-token distributions
+(write_synthetic(peaked=True); fixtures/record_archs.py recorded llama.cpp on them),
+teacher-forced at every one of 400 positions, F16, Q8_0 (both written here by edgekv synth,
+byte-identical to what llama.cpp saw) and Q4_K_M (llama.cpp's quantizer, kept in
+fixtures/archs/). Each feature is shown to matter: with it switched off edgekv fails the same
+thresholds (nemo's head size has no such control: with n_embd / n_head instead of key_length its
+tensors do not fit and it is refused)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +22,7 @@ import pytest
 from conftest import FIXTURES, row_agreement, teacher_forced_logits
 
 MIN_TOP1, MAX_KL = 0.95, 0.01
-CASES = ("llama3", "qwen3", "granite", "nemo", "gemma2", "phi3")  # nemo: llama with 128-wide heads from key_length
+CASES = ("llama3", "qwen3", "granite", "nemo", "gemma2", "phi3", "phi4")  # nemo: llama with 128-wide heads from key_length
 TYPES = ("f16", "q8_0", "q4_k_m")
 
 
@@ -207,6 +209,23 @@ def _off_longrope(model):  # no factors at all
     _with_factors(model, None)
 
 
+def _off_attn_factor(model):  # LongRoPE's magnitude on the rotated q and k ignored
+    model.cfg = dataclasses.replace(model.cfg, rope=dataclasses.replace(model.cfg.rope, attn_factor=1.0))
+
+
+def _folded_attn_factor(model):  # the magnitude squared on the whole q.k (exact only when every dim rotates)
+    af = model.cfg.rope.attn_factor
+    _off_attn_factor(model)
+    model.attn_scale = af**2 / np.sqrt(model.cfg.head_dim)
+
+
+def _off_partial_rotation(model):  # RoPE over the whole head (no factors: they have n_rot/2 entries)
+    from edgekv.rope import Rope, rope_freqs
+
+    model.cfg = dataclasses.replace(model.cfg, rope=Rope(rope_freqs(10000.0, model.cfg.head_dim), True,
+                                                         model.cfg.rope.attn_factor))
+
+
 def _on_sliding_window(model):  # Phi-3's attention.sliding_window applied, which llama.cpp does not do
     cfg = model.cfg
     object.__setattr__(cfg, "windows", lambda: [cfg.file_window] * cfg.n_layer)
@@ -217,7 +236,8 @@ def _on_sliding_window(model):  # Phi-3's attention.sliding_window applied, whic
     ("granite", _off_residual_scale), ("granite", _off_attention_scale), ("granite", _off_embedding_scale),
     ("granite", _off_logit_scale), ("gemma2", _off_attn_softcap), ("gemma2", _off_final_softcap),
     ("gemma2", _off_sliding_window), ("phi3", _off_long_factors), ("phi3", _off_longrope),
-    ("phi3", _off_attention_scale), ("phi3", _on_sliding_window),
+    ("phi3", _off_attn_factor), ("phi3", _on_sliding_window), ("phi4", _off_attn_factor),
+    ("phi4", _folded_attn_factor), ("phi4", _off_partial_rotation),
 ])
 def test_each_feature_matters(root, case, switch_off):
     """The harness can fail: edgekv with the feature switched off misses the thresholds."""
@@ -323,14 +343,34 @@ def test_rope_frequencies_are_ggmls():
     assert 0 < lo < hi < n_rot // 2 - 1  # the ramp lies inside the head: both ends are exercised
 
 
-def test_yarn_magnitude_folds_into_the_attention_scale(root):
+def test_yarn_magnitude_is_the_ropes(root):
     """llama.cpp's YaRN q/k magnitude (1 + 0.1 ln factor; its get_mscale cancels against ggml's)
-    enters edgekv's attention scale squared."""
+    is the Rope's attn_factor, which rope applies; the attention scale stays 1/sqrt(head size)."""
     import math
 
     model = load(model_file(root, "qwen3", "q8_0"), "reference")
     assert math.isclose(model.cfg.rope.attn_factor, 1 + 0.1 * math.log(4.0))
-    assert math.isclose(model.attn_scale, model.cfg.rope.attn_factor**2 / math.sqrt(model.cfg.head_dim))
+    assert math.isclose(model.attn_scale, 1 / math.sqrt(model.cfg.head_dim))
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_magnitude_scales_the_rotated_dims_only(device, neox):
+    """As ggml's rope with attn_factor: the n_rot rotated dims come out attn_factor times their
+    length (pairwise), the dims past n_rot unchanged, the angles those of attn_factor 1; the
+    heads past `heads` are untouched."""
+    from edgekv.backends import get_backend
+    from edgekv.rope import Rope, rope_freqs
+
+    be, af, n_rot = get_backend(device), 1.7, 48
+    x = np.random.default_rng(0).standard_normal((5, 3, 64), dtype=np.float32)
+    pos = np.array([0, 3, 100, 4096, 131071], np.int64)
+    freqs = rope_freqs(10000.0, n_rot)
+    one = be.rope(x.copy(), pos, Rope(freqs, neox), heads=2)
+    got = be.rope(x.copy(), pos, Rope(freqs, neox, af), heads=2)
+    np.testing.assert_allclose(got[:, :2, :n_rot], af * one[:, :2, :n_rot], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[:, :2, n_rot:], x[:, :2, n_rot:])
+    np.testing.assert_array_equal(got[:, 2], x[:, 2])
 
 
 def test_gemma2_windowed_layers_use_rings(root):
@@ -399,7 +439,7 @@ def test_longrope_picks_factors_by_context(root):
         want = rope_freqs(10000.0, 64, factors=ff["rope_factors_long.weight"])
         np.testing.assert_allclose(model.cfg.rope.freqs, want, rtol=1e-12, err_msg=f"n_ctx={n_ctx}")
         assert math.isclose(model.cfg.rope.attn_factor, math.sqrt(1 + math.log(16) / math.log(32)), rel_tol=1e-6)
-        assert math.isclose(model.attn_scale, 1.8 / 8.0, rel_tol=1e-6)
+        assert math.isclose(model.attn_scale, 1 / 8.0, rel_tol=1e-6)
 
     short = fixture("phi3")["short"]
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in short["overrides"].items()}
@@ -423,13 +463,14 @@ def test_longrope_picks_factors_by_context(root):
         assert (top1 >= MIN_TOP1 and kl <= MAX_KL) == ok, (n_ctx, top1, kl)
 
 
-def test_phi3_partial_rotation(tmp_path):
-    """Phi-4-mini's layout: RoPE over the first rope.dimension_count dims of a head (here 48 of
-    64); with a LongRoPE attention factor that partial rotation is refused by name (llama.cpp
-    scales only the rotated dims, which edgekv's attention scale cannot express). A
-    sliding_window past the context (Phi-3.5-mini's 262144) loads: phi3 does not apply it."""
+def test_phi3_partial_rotation(root, tmp_path):
+    """Phi-4-mini's layout: RoPE over the first rope.dimension_count dims of a head (48 of 64)
+    with or without LongRoPE's attention factor (the recorded phi4 file: sqrt(3), from its
+    original context of 8 at a trained 512), and a tied output. A sliding_window past the
+    context (Phi-3.5-mini's 262144) loads: phi3 does not apply it."""
+    import math
+
     from edgekv import LLM
-    from edgekv.errors import UnsupportedModelError
     from edgekv.synth import write_synthetic
 
     plain = write_synthetic(tmp_path / "p.gguf", "phi3", "tiny", "q8_0", progress=False, rope_dim=48,
@@ -438,7 +479,7 @@ def test_phi3_partial_rotation(tmp_path):
     assert llm.cfg.rope_dim == 48 and llm.cfg.rope.n_rot == 48 and llm.cfg.rope.attn_factor == 1.0
     assert llm.cfg.file_window == 262144 and llm.cfg.windows() == [0, 0]
     assert np.isfinite(llm.forward([1, 40, 50], llm.new_cache(), 0)).all()
-    scaled = write_synthetic(tmp_path / "s.gguf", "phi3", "tiny", "q8_0", progress=False, rope_dim=48,
-                             rope_longrope=64)
-    with pytest.raises(UnsupportedModelError, match="partial rotation"):
-        LLM(scaled, n_ctx=64, kv="f16")
+    llm = LLM(model_file(root, "phi4", "q8_0"), n_ctx=512, kv="f16")
+    assert (llm.cfg.rope.n_rot, llm.cfg.head_dim, llm.cfg.n_head, llm.cfg.n_head_kv) == (48, 64, 4, 2)
+    assert math.isclose(llm.cfg.rope.attn_factor, math.sqrt(3), rel_tol=1e-6)
+    assert "output.weight" not in llm.file.tensors and llm.model.output is llm.model.token_embd

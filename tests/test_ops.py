@@ -112,6 +112,19 @@ def test_rope(neox, n, heads, hd, n_rot, base, freq_scale, path):
     np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])  # unrotated dims untouched
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_rotate_magnitude_on_rotated_dims_only(neox, path):
+    """mag (ggml's attn_factor) multiplies the n_rot rotated dims after their turn; the dims past
+    n_rot stay as they are (Phi-4-mini: 96 of 128)."""
+    x = randn(64, 4, 128)
+    pos = RNG.integers(0, 131072, 64).astype(np.int64)
+    want = ref_rope(x, pos, 10000.0, neox, 96, 1.0)
+    want[..., :96] *= 1.7
+    got = ops.rotate(x.copy(), pos, ops.rope_freqs(10000.0, 96), neox, mag=1.7)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[..., 96:], x[..., 96:])
+
+
 @pytest.mark.parametrize("n", [1, 5])
 def test_rope_first_heads_only(n, path):
     """heads=h rotates q and k of a fused (n, H + 2 Hkv, hd) QKV output and leaves v alone."""

@@ -14,16 +14,17 @@ The operations (x float32, n = tokens in the batch):
   rmsnorm(x (..., d), w (d,), eps) -> same shape
   rope(x (n, heads, hd), pos (n,), rope, heads=None) -> x rotated (in place where possible; use
       the result) by rope (edgekv.rope.Rope: per-pair frequencies, NORM or NEOX pairs; every
-      variant, llama3 factors and YaRN included, is just frequencies); heads=h rotates only
-      heads [0, h) (q and k of a fused QKV)
+      variant, llama3 factors and YaRN included, is just frequencies), the rotated dims times
+      rope.attn_factor (ggml's; dims past n_rot unchanged); heads=h rotates only heads [0, h)
+      (q and k of a fused QKV)
   silu_mul(g, u) / gelu_mul(g, u) -> act(g) * u
   attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, rope, softcap=0)
       -> (n, H, hd)
       q attends to the cached tokens of kv and to this batch's own k/v, causally by position and
       within kv.span; sink slots are seen through q counter-rotated by kv.sink_shift (rope: the
-      layer's Rope); softcap > 0: scaled scores s become softcap * tanh(s / softcap) (gemma2).
-      The batch's k/v are stored in kv: first when kv.write_first(n), else after attending over
-      (ring, batch).
+      layer's Rope; only turned, q has its attn_factor already); softcap > 0: scaled scores s
+      become softcap * tanh(s / softcap) (gemma2). The batch's k/v are stored in kv: first when
+      kv.write_first(n), else after attending over (ring, batch).
   decoder_block(attn_norm=, qkv=, qkv_bias=, q_norm=, k_norm=, attn_output=, post_attn_norm=,
                 ffn_norm=, gate_up=, act=, ffn_down=, post_ffw_norm=, n_head=, n_head_kv=,
                 head_dim=, eps=, scale=, rope=[, residual_scale=, softcap=]) -> handle or None

@@ -126,7 +126,7 @@ class CPUBackend:
 
     def decoder_block(self, *, rope: Rope, **parts):
         """A whole block packed for run_block (kernels_cpu.block: one call per decode token)."""
-        return self.blk.block_pack(rope_freqs=rope.freqs, rope_neox=rope.neox, **parts)
+        return self.blk.block_pack(rope_freqs=rope.freqs, rope_neox=rope.neox, rope_mag=rope.attn_factor, **parts)
 
     def run_block(self, pack, x: np.ndarray, pos: np.ndarray, kv: LayerKV) -> bool:
         """One token through a block in place of the model's op-by-op code; False (nothing done)
@@ -179,7 +179,7 @@ class CPUBackend:
         return self.ops.rmsnorm(np.ascontiguousarray(x), w, eps)
 
     def rope(self, x: np.ndarray, pos: np.ndarray, rope: Rope, heads: int | None = None) -> np.ndarray:
-        return self.ops.rotate(np.ascontiguousarray(x), pos, rope.freqs, rope.neox, heads)
+        return self.ops.rotate(np.ascontiguousarray(x), pos, rope.freqs, rope.neox, heads, rope.attn_factor)
 
     def silu_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         return self.ops.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u))
@@ -207,7 +207,7 @@ class CPUBackend:
         q_sink, sink_bias = q, kq.NO_SINK_BIAS
         shift = max(int(q_pos[-1]) - kv.capacity + 1, 0) if kv.n_sink else 0  # the batch's largest
         if shift:  # sinks seen from just before the window (StreamingLLM)
-            q_sink = self.ops.rotate(q.copy(), -kv.sink_shift(q_pos), rope.freqs, rope.neox)
+            q_sink = self.ops.rotate(q.copy(), -kv.sink_shift(q_pos), rope.freqs, rope.neox)  # q has its magnitude
             if kv.rotated:
                 sink_bias = kv.sink_bias(q, q_sink)
         k = np.ascontiguousarray(k, dtype=np.float32)

@@ -340,7 +340,7 @@ class CUDABackend:
             return self.cpu.rope(x, pos, rope, heads)
         xd = x.contiguous()
         part = xd if heads is None else xd[:, :heads]  # q and k of a fused QKV: rotated in place, v untouched
-        self.ops.rope(part, self._ints(pos), self._freqs(rope), rope.neox)
+        self.ops.rope(part, self._ints(pos), self._freqs(rope), rope.neox, rope.attn_factor)
         return DeviceArray(xd)
 
     def _freqs(self, rope: Rope):
@@ -382,7 +382,7 @@ class CUDABackend:
         shift = kv.sink_shift(q_pos)
         q_sink = sb = None
         if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
-            q_sink = ops.rope(_dcopy(qd), self._ints(-shift), self._freqs(rope), rope.neox)
+            q_sink = ops.rope(_dcopy(qd), self._ints(-shift), self._freqs(rope), rope.neox)  # q has its magnitude
             if kv.rotated:
                 sb = kq.sink_bias(qd, q_sink, r.mu)
         if kv.rotated:  # new arrays: the caller's q stays as it was

@@ -66,14 +66,17 @@ class ReferenceBackend:
         ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
         return (x / np.sqrt(ms + eps) * w).astype(np.float32)
 
-    def rope(self, x: np.ndarray, pos: np.ndarray, rope: Rope, heads: int | None = None) -> np.ndarray:
+    def rope(self, x: np.ndarray, pos: np.ndarray, rope: Rope, heads: int | None = None,
+             mag: float | None = None) -> np.ndarray:
+        """mag: the rotated dims' magnitude (None: rope.attn_factor, as ggml's rope applies it)."""
         if heads is not None:  # rotate the first heads, keep the rest
-            return np.concatenate([self.rope(x[:, :heads], pos, rope), x[:, heads:]], axis=1)
+            return np.concatenate([self.rope(x[:, :heads], pos, rope, mag=mag), x[:, heads:]], axis=1)
         # pair i turns by pos * freqs[i]; angles in float64 so huge positions stay exact.
         n_rot = rope.n_rot
+        mag = rope.attn_factor if mag is None else mag
         ang = pos.astype(np.float64)[:, None] * rope.freqs[None, :]  # (n, n_rot/2)
-        cos = np.cos(ang).astype(np.float32)[:, None, :]
-        sin = np.sin(ang).astype(np.float32)[:, None, :]
+        cos = (np.cos(ang) * mag).astype(np.float32)[:, None, :]
+        sin = (np.sin(ang) * mag).astype(np.float32)[:, None, :]
         out = x.copy()
         if rope.neox:  # pairs (i, i + n_rot/2)
             a, b = x[..., : n_rot // 2], x[..., n_rot // 2 : n_rot]
@@ -115,7 +118,7 @@ class ReferenceBackend:
         sink = np.zeros(len(k_pos), bool)
         sink[: live.sum()] = (np.arange(kv.fill) < kv.n_sink)[live]
         sink[live.sum():] = k_pos[live.sum():] < kv.n_sink
-        q_sink = self.rope(q, -kv.sink_shift(q_pos), rope)  # sinks just before the window
+        q_sink = self.rope(q, -kv.sink_shift(q_pos), rope, mag=1.0)  # sinks just before the window (q is scaled)
         sink_bias = kv.sink_bias(q, q_sink).T[:, :, None]  # (H, n, 1)
         q, q_sink = kv.query_space(q), kv.query_space(q_sink)
         group = H // keys.shape[1]  # query head h reads kv head h // group

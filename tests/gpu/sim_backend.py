@@ -41,6 +41,9 @@ def models(tmp_path_factory):
         # phi3: fused attn_qkv and gate/up, LongRoPE's long factors (n_ctx 8 is past 4) and attention factor
         "phi3": write_synthetic(d / "phi3.gguf", "phi3", "tiny", "q8_0", progress=False,
                                 **{**LLAMA, "n_ctx": 16}, rope_longrope=4),
+        # Phi-4-mini's layout: RoPE over 24 of 32 dims with LongRoPE's attention factor, GQA, tied
+        "phi4": write_synthetic(d / "phi4.gguf", "phi3", "tiny-phi4", "q8_0", progress=False,
+                                **{**LLAMA, "n_embd": 64, "n_head": 2, "n_ctx": 16}, rope_dim=24, rope_longrope=4),
     }
 
 
@@ -73,7 +76,8 @@ def steps(llm: LLM) -> np.ndarray:
 # only sliding layers (rings of its window, no sinks).
 CASES = [("llama", "f16", None), ("gemma3", "int4", None), ("gemma3", "int4", 2), ("llama", "int8", 2),
          ("llama", "int4", 2), ("llama3", "f16", None), ("qwen3", "int8", 2), ("granite", "f16", None),
-         ("gemma2", "f16", None), ("gemma2", "int8", 2), ("phi3", "int8", 2)]
+         ("gemma2", "f16", None), ("gemma2", "int8", 2), ("phi3", "int8", 2), ("phi4", "f16", None),
+         ("phi4", "int8", 2)]
 
 
 @pytest.mark.parametrize("arch,kv,recent", CASES)

@@ -117,13 +117,15 @@ def test_rmsnorm_rope_activations_adds():
     np.testing.assert_allclose(got, cops.rmsnorm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
 
     pos = np.array([0, 7, 1 << 20], np.int64)  # a large position: the float64 angle matters
-    for neox, n_rot in ((False, 64), (True, 64), (False, 32), (True, 48)):
+    # mag: ggml's attn_factor on the rotated dims (Phi-4-mini: 96 of 128 dims, with LongRoPE's)
+    for neox, n_rot, mag in ((False, 64, 1.0), (True, 64, 1.0), (False, 32, 1.0), (True, 48, 1.0), (True, 48, 1.7)):
         inv = 0.5 * 10000.0 ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
         q = rng.standard_normal((3, 2, 64)).astype(np.float32)
         dq = cuda.to_device(q)
-        gops.rope(dq, cuda.to_device(pos), cuda.to_device(inv), neox)
-        ref = cops.rope(q.copy(), pos, 10000.0, neox, n_rot, 0.5)
+        gops.rope(dq, cuda.to_device(pos), cuda.to_device(inv), neox, mag)
+        ref = cops.rotate(q.copy(), pos, inv, neox, mag=mag)
         np.testing.assert_allclose(dq.copy_to_host(), ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(dq.copy_to_host()[..., n_rot:], q[..., n_rot:])
 
     gu = (rng.standard_normal((2, 80)) * 4).astype(np.float32)
     dgu = cuda.to_device(gu)
