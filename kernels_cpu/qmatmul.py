@@ -6,12 +6,14 @@ matrix; rows are decoded a block at a time, in registers.
 
 - qmatmul(x, w, qtype): x (n, k) float32 -> (n, m) = x @ W.T; w may be a tuple of up to 3
   weights of one type (fused QKV, gate+up) whose outputs come side by side.
-  Up to SMALL_N tokens (decode): memory-bound. Each weight row is read once from memory and
-  dotted with the activations, quantized per call to int8 the way llama.cpp does (Q8_0-like
-  blocks of 32 for the 32-element types, Q8_K-like blocks of 256 with per-16 sums for the K
-  types and IQ4_XS): unsigned quants x int8 activations (vpdpbusd, pmaddubsw + pmaddwd /
-  vpdpwssd; the i-quants' 16-entry table is a byte shuffle, pshufb), one float FMA per block
-  (per 256 weights for K types and IQ4_XS).
+  Up to SMALL_N tokens (decode): memory-bound. Each weight row is read once from memory (and
+  prefetched ahead in software) and dotted with the activations, quantized per call to int8 the
+  way llama.cpp does (Q8_0-like blocks of 32 for the 32-element types, Q8_K-like blocks of 256
+  with per-16 sums for the K types and IQ4_XS): unsigned quants x int8 activations in 512-bit
+  products (vpdpbusd, pmaddubsw + vpdpwssd; the i-quants' 16-entry table is a byte shuffle,
+  pshufb), four 32-element blocks or 64 K-type weights per product, the activations permuted per
+  call to match the blocks' nibble order; one float FMA per 4 blocks (per 256 weights for K
+  types, per 128 for IQ4_XS).
   More tokens (prefill): compute-bound. Quantized types: int8 activations and a tile of rows
   unpacked once for integer dot products over all tokens (kernels_cpu/igemm.py). Float types: a
   tile of rows x 32 tokens accumulates over k with broadcast-FMA (float32 throughout).
@@ -51,6 +53,7 @@ _FLOAT_TYPES = (F32, F16, BF16)
 # What a matmul does to its input first (qmatmul's `pre`): nothing, rmsnorm, or a gated activation.
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
+_PF = 4096  # decode: bytes of weights prefetched ahead (1024 streamed at 0.89x of 4096 in a 7B model)
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
 _TOK = 32
@@ -160,6 +163,21 @@ def st(typingctx, arr, i, v):
     return types.none(arr, i, v), codegen
 
 
+@intrinsic
+def prefetch(typingctx, arr, i):
+    """Hint: the cache line of arr[i] will be read soon (never faults, even past the end)."""
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.bitcast(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), i8p)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])  # read, to L1
+        return context.get_dummy_value()
+
+    return types.none(arr, i), codegen
+
+
 def _make_ld_float(kind):
     @intrinsic
     def ldf(typingctx, arr, byte, n):
@@ -214,27 +232,6 @@ def half2(typingctx, arr, byte):
 
 
 @intrinsic
-def halves(typingctx, arr, byte, stride, n):
-    """Vec(float32, n) of the float16 at arr[byte + j * stride] for j < n (a scale of n blocks)."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    cnt = n.literal_value
-
-    def codegen(context, builder, sig, args):
-        i16 = ir.IntType(16)
-        base = context.cast(builder, args[1], sig.args[1], types.intp)
-        step = context.cast(builder, args[2], sig.args[2], types.intp)
-        v = ir.Constant(ir.VectorType(i16, cnt), ir.Undefined)
-        for j in range(cnt):
-            at_j = builder.add(base, builder.mul(step, ir.Constant(base.type, j)))
-            ptr = _elem_ptr(context, builder, sig.args[0], args[0], at_j, types.intp)
-            v = builder.insert_element(v, _load(builder, ptr, i16), ir.Constant(_I32, j))
-        return _half_to_float(builder, v)
-
-    return Vec(types.float32, cnt)(arr, byte, stride, n), codegen
-
-
-@intrinsic
 def bits(typingctx, arr, byte, n):
     """Vec(uint8, n): lane j = bit j of the little-endian bit string at arr[byte:]."""
     if not isinstance(n, types.IntegerLiteral):
@@ -254,11 +251,29 @@ def bits(typingctx, arr, byte, n):
     return vt(arr, byte, n), codegen
 
 
+def testbits(*mask):
+    """An intrinsic f(v) -> Vec(uint8): lane i = 1 if v[i] & mask[i] else 0 (v: uint8 lanes)."""
+
+    @intrinsic
+    def test(typingctx, v):
+        def codegen(context, builder, sig, args):
+            vt = ir.VectorType(ir.IntType(8), len(mask))
+            picked = builder.and_(args[0], ir.Constant(vt, list(mask)))
+            hit = builder.icmp_unsigned("!=", picked, ir.Constant(vt, [0] * len(mask)))
+            return builder.zext(hit, vt)
+
+        return v(v), codegen
+
+    return test
+
+
 def _cast(builder, val, src, dst, llty):
     if isinstance(dst, types.Float):
         if isinstance(src, types.Float):
             return builder.fpext(val, llty) if dst.bitwidth > src.bitwidth else val
         return builder.sitofp(val, llty) if src.signed else builder.uitofp(val, llty)
+    if isinstance(src, types.Float):  # float -> int: truncation toward zero (round first: vrint)
+        return builder.fptosi(val, llty)
     if src.bitwidth < dst.bitwidth:
         return builder.sext(val, llty) if src.signed else builder.zext(val, llty)
     if src.bitwidth > dst.bitwidth:
@@ -268,7 +283,8 @@ def _cast(builder, val, src, dst, llty):
 
 @intrinsic
 def cvt(typingctx, v, dtype):
-    """Element-wise conversion: integer widening/narrowing (sign from the source), int -> float."""
+    """Element-wise conversion: integer widening/narrowing (sign from the source), int -> float,
+    float -> int (toward zero)."""
     dst = dtype.dtype if isinstance(dtype, types.NumberClass) else dtype
     vt = Vec(dst, v.n)
 
@@ -315,6 +331,45 @@ def shuffler(*mask):
     return shuffle
 
 
+def shuffler2(*mask):
+    """An intrinsic f(a, b) -> Vec whose lane i is lane mask[i] of a's lanes followed by b's."""
+
+    @intrinsic
+    def shuffle(typingctx, a, b):
+        vt = Vec(a.dtype, len(mask))
+
+        def codegen(context, builder, sig, args):
+            return builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(_I32, len(mask)), list(mask)))
+
+        return vt(a, b), codegen
+
+    return shuffle
+
+
+@intrinsic
+def opaque(typingctx, v):
+    """v, through an empty asm statement where vpermw exists (AVX-512 BW): LLVM cannot see where
+    it came from. Scale vectors widened from bytes and then shuffled per use would otherwise have
+    each shuffle moved before the widening: a byte shuffle plus a widening per use, not one vpermw."""
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        return builder.asm(ir.FunctionType(x.type, [x.type]), "", "=v,0", [x], False) if _PERMW else x
+
+    return v(v), codegen
+
+
+@intrinsic
+def h2f(typingctx, v):
+    """Vec(uint16 or int16) of float16 bit patterns -> Vec(float32)."""
+    vt = Vec(types.float32, v.n)
+
+    def codegen(context, builder, sig, args):
+        return _half_to_float(builder, args[0])
+
+    return vt(v), codegen
+
+
 @intrinsic
 def splat(typingctx, s, n):
     """Vec of n copies of scalar s."""
@@ -354,6 +409,57 @@ vand = _make_binop(None, "and_")
 vor = _make_binop(None, "or_")
 vshr = _make_binop(None, "lshr")  # logical shift: use on unsigned lanes
 vshl = _make_binop(None, "shl")
+
+
+def _make_float_fn(name, doc):
+    @intrinsic
+    def fn(typingctx, a):
+        def codegen(context, builder, sig, args):
+            f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(args[0].type, [args[0].type]),
+                                               f"llvm.{name}.v{a.n}f32")
+            return builder.call(f, [args[0]])
+
+        return a(a), codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+vabs = _make_float_fn("fabs", "|a| (float lanes)")
+vrint = _make_float_fn("rint", "a rounded to the nearest integer, ties to even (float lanes; np.rint)")
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """Lane-wise maximum (float lanes; no NaN handling)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1], flags=_FAST), args[0], args[1])
+
+    return a(a, b), codegen
+
+
+def _tree(builder, x, n, combine):
+    """Lane 0 of x (n lanes) folded in halves with combine(builder, lo, hi) (tree order)."""
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(x, x, _lanes(n, lambda i: i))
+        hi = builder.shuffle_vector(x, x, _lanes(n, lambda i: i + n))
+        x = combine(builder, lo, hi)
+    return builder.extract_element(x, ir.Constant(_I32, 0))
+
+
+@intrinsic
+def hmax(typingctx, v):
+    """Largest lane (float lanes, tree order)."""
+
+    def codegen(context, builder, sig, args):
+        def bigger(b, lo, hi):
+            return b.select(b.fcmp_ordered(">", lo, hi, flags=_FAST), lo, hi)
+
+        return _tree(builder, args[0], v.n, bigger)
+
+    return v.dtype(v), codegen
 
 
 @intrinsic
@@ -398,6 +504,10 @@ _VPDPBUSD = {n: name for n, name, ok in (
     (64, "llvm.x86.avx512.vpdpbusd.512", _x86("avx512vnni", "avx512bw")),
     (32, "llvm.x86.avx512.vpdpbusd.256", _x86("avx512vnni", "avx512vl") or _x86("avxvnni")),
 ) if ok}
+_VPDPWSSD = {n: name for n, name, ok in (
+    (32, "llvm.x86.avx512.vpdpwssd.512", _x86("avx512vnni", "avx512bw")),
+) if ok}
+_PERMW = {n: "vpermw" for n, ok in ((32, _x86("avx512bw")),) if ok}  # see opaque
 _PSHUFB = {n: name for n, name, ok in (
     (64, "llvm.x86.avx512.pshuf.b.512", _x86("avx512bw")),
     (32, "llvm.x86.avx2.pshuf.b", _x86("avx2")),
@@ -461,6 +571,14 @@ def _madd_ir(builder, a, b, n):
         return _halves(builder, a, b, n, _madd_ir)
     wide = ir.VectorType(_I32, n)
     return _pairs(builder, builder.mul(builder.sext(a, wide), builder.sext(b, wide)), n)
+
+
+def _madd_acc_ir(builder, acc, a, b, n):
+    """acc + _madd_ir(a, b) (vpdpwssd: LLVM does not always fuse the two)."""
+    if n in _VPDPWSSD:
+        i32v = ir.VectorType(_I32, n // 2)
+        return _call(builder, _VPDPWSSD[n], i32v, [acc, builder.bitcast(a, i32v), builder.bitcast(b, i32v)])
+    return builder.add(acc, _madd_ir(builder, a, b, n))
 
 
 def _maddubs_ir(builder, a, b, n):
@@ -551,17 +669,22 @@ def dot4acc(typingctx, acc, a, b):
 
 
 @intrinsic
+def madd_acc(typingctx, acc, a, b):
+    """acc + madd(a, b) (the accumulating form of pmaddwd, vpdpwssd)."""
+
+    def codegen(context, builder, sig, args):
+        return _madd_acc_ir(builder, args[0], args[1], args[2], a.n)
+
+    return acc(acc, a, b), codegen
+
+
+@intrinsic
 def hsum(typingctx, v):
     """Sum of the lanes (tree order)."""
 
     def codegen(context, builder, sig, args):
-        x, n = args[0], v.n
-        while n > 1:
-            n //= 2
-            lo = builder.shuffle_vector(x, x, _lanes(n, lambda i: i))
-            hi = builder.shuffle_vector(x, x, _lanes(n, lambda i: i + n))
-            x = builder.fadd(lo, hi, flags=_FAST) if isinstance(v.dtype, types.Float) else builder.add(lo, hi)
-        return builder.extract_element(x, ir.Constant(_I32, 0))
+        flt = isinstance(v.dtype, types.Float)
+        return _tree(builder, args[0], v.n, lambda b, lo, hi: b.fadd(lo, hi, flags=_FAST) if flt else b.add(lo, hi))
 
     return v.dtype(v), codegen
 
@@ -572,25 +695,59 @@ def hsum(typingctx, v):
 @njit(cache=True, fastmath=True)
 def _quantize_q8(x, bs, xq, xd, xsum, bsum):
     """x (k,) -> xq (k,) int8, xd (k/bs,) scale per block of bs,
-    xsum (k/bs,) = xd * sum of the block's xq, bsum (k/16,) int sums of xq per 16 (K types)."""
+    xsum (k/bs,) = xd * sum of the block's xq, bsum (k/16,) int sums of xq per 16 (K types).
+    16 lanes at a time (bs is 32 or 256): a decode call's serial part, before its parallel region."""
     for b in range(x.size // bs):
-        amax = f32(0)
-        for i in range(b * bs, b * bs + bs):
-            amax = max(amax, abs(x[i]))
+        o = b * bs
+        m = splat(f32(0), 16)
+        for i in range(o, o + bs, 16):
+            m = vmax(m, vabs(ld(x, i, 16)))
+        amax = hmax(m)
         d = amax / f32(127)
         inv = f32(127) / amax if amax > 0 else f32(0)
-        total = 0
-        for i in range(b * bs, b * bs + bs):
-            q = np.int8(np.rint(x[i] * inv))
-            xq[i] = q
-            total += q
+        total = i32(0)
+        for i in range(o, o + bs, 16):
+            q = cvt(vrint(vmul(ld(x, i, 16), inv)), np.int32)
+            st(xq, i, cvt(q, np.int8))
+            s = hsum(q)
+            bsum[i // 16] = s
+            total += s
         xd[b] = d
         xsum[b] = d * f32(total)
-    for j in range(x.size // 16):
-        s = 0
-        for i in range(j * 16, j * 16 + 16):
-            s += xq[i]
-        bsum[j] = s
+
+
+_ACT_LO = shuffler2(*[32 * j + i for j in range(4) for i in range(16)])  # (a, b): the group's 128 bytes
+_ACT_HI = shuffler2(*[32 * j + 16 + i for j in range(4) for i in range(16)])
+_SPREAD4 = shuffler(*[j for j in range(4) for _ in range(4)])
+
+
+@njit(fastmath=True, inline="always")
+def _acts_quad(xq, off, k, t, xoff):
+    """Token t's int8 activations (at t * k) rearranged for the products of the quad layout
+    (_dot_32, IQ4_XS): in each group of 128, element i < 16 of sub-block j of 32 at 16j + i, the
+    rest at 64 + 16j + i. xoff = -off * the sums of the xq that a lane of the products covers
+    (16 a group; in natural order, 8 per block of 32, past the last whole group)."""
+    xo = t * k
+    ones = splat(np.uint8(1), 64)
+    for g in range(k // 128):
+        o = xo + 128 * g
+        a, b = ld(xq, o, 64), ld(xq, o + 64, 64)
+        lo, hi = _ACT_LO(a, b), _ACT_HI(a, b)
+        st(xq, o, lo)
+        st(xq, o + 64, hi)
+        st(xoff, (xo >> 2) + 16 * g, vmul(dot4acc(dot4(ones, lo), ones, hi), -off))
+    for i in range((xo >> 2) + 32 * (k // 128), (xo >> 2) + k // 4, 8):
+        st(xoff, i, vmul(dot4(splat(np.uint8(1), 32), ld(xq, 4 * i, 32)), -off))
+
+
+@njit(fastmath=True, inline="always")
+def _acts_x4(xd, xsum, k, t, x4):
+    """x4 (32 floats a group of 4 blocks of 32, at t * k / 4) = xd of each lane of the group's
+    products, then xsum / 4 (a lane's share of the block's min term)."""
+    xo, bo = t * k, t * (k // 32)
+    for g in range(k // 128):
+        st(x4, (xo >> 2) + 32 * g, _SPREAD4(ld(xd, bo + 4 * g, 4)))
+        st(x4, (xo >> 2) + 32 * g + 16, vmul(_SPREAD4(ld(xsum, bo + 4 * g, 4)), f32(0.25)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -653,6 +810,119 @@ _IQ4 = lut16(*(v + 128 for v in KVALUES_IQ4NL))
 @njit(inline="always")
 def _block_iq4_nl(row, o):
     return _IQ4(_nibbles(ld(row, o + 2, 16))), 128, half(row, o), f32(0)
+
+
+# Four 32-element blocks at once (decode): quad(w, o) -> (lo, hi, d, m) for the blocks at byte o:
+#   lo, hi: uint8 x 64, lane 16j + i = element i (lo) or 16 + i (hi) of block j (a layout the
+#   activations are permuted to per call, _quad_acts): one 512-bit product each;
+#   d, m: float32 x 16, lane 4j + l = block j's scale (and min). The bytes come from two or three
+#   overlapping 64-byte loads and one two-source byte shuffle (vpermt2b), not four 16-byte loads
+#   and inserts per vector; the scales from the same loads (a word shuffle), not 4 scalar loads.
+def _src(byte, second):
+    """Lane index into (a, b) of byte `byte` of the group: a holds bytes 0-63, b from `second`."""
+    assert byte < 64 or 0 <= byte - second < 64, (byte, second)
+    return byte if byte < 64 else 64 + byte - second
+
+
+def _qs_mask(nbytes, qs, second, half=0):
+    return [_src(j * nbytes + qs + 16 * half + i, second) for j in range(4) for i in range(16)]
+
+
+def _word_mask(nbytes, field, second):
+    """(a, b) uint16 lanes of block j's float16 at byte `field`, each repeated 4 times."""
+    return [_src(j * nbytes + field + 1, second) // 2 for j in range(4) for _ in range(4)]
+
+
+@njit(inline="always")
+def _split(v):
+    """uint8 x 64 -> (low nibbles, high nibbles)."""
+    return vand(v, 15), vand(view(vshr(view(v, np.uint16), 4), np.uint8), 15)
+
+
+@njit(inline="always")
+def _words(shuffle, a, b):
+    return h2f(shuffle(view(a, np.uint16), view(b, np.uint16)))
+
+
+_Q4_0_QS, _Q4_0_D = shuffler2(*_qs_mask(18, 2, 8)), shuffler2(*_word_mask(18, 0, 8))
+
+
+@njit(inline="always")
+def _quad_q4_0(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 8, 64)
+    lo, hi = _split(_Q4_0_QS(a, b))
+    return lo, hi, _words(_Q4_0_D, a, b), splat(f32(0), 16)
+
+
+@njit(inline="always")
+def _quad_iq4_nl(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 8, 64)
+    lo, hi = _split(_Q4_0_QS(a, b))
+    return _IQ4(lo), _IQ4(hi), _words(_Q4_0_D, a, b), splat(f32(0), 16)
+
+
+_Q4_1_QS, _Q4_1_D, _Q4_1_M = shuffler2(*_qs_mask(20, 4, 16)), shuffler2(*_word_mask(20, 0, 16)), shuffler2(
+    *_word_mask(20, 2, 16))
+
+
+@njit(inline="always")
+def _quad_q4_1(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 16, 64)
+    lo, hi = _split(_Q4_1_QS(a, b))
+    return lo, hi, _words(_Q4_1_D, a, b), _words(_Q4_1_M, a, b)
+
+
+def _qh_mask(nbytes, qh, second):
+    """(a, b) lanes of the qh byte holding bit 4 of element i (lo) / 16 + i (hi) of block j."""
+    return [[_src(j * nbytes + qh + 2 * half + (i >> 3), second) for j in range(4) for i in range(16)]
+            for half in (0, 1)]
+
+
+_BIT = testbits(*[1 << (i & 7) for i in range(64)])
+
+
+@njit(inline="always")
+def _nibbles_bit4(qs, hl, hh):
+    """The quads' (lo, hi) from 64 bytes of nibbles and the qh bytes spread per lane (Q5_0, Q5_1)."""
+    lo, hi = _split(qs)
+    return vor(lo, vshl(_BIT(hl), 4)), vor(hi, vshl(_BIT(hh), 4))
+
+
+_Q5_0_QS, _Q5_0_D = shuffler2(*_qs_mask(22, 6, 24)), shuffler2(*_word_mask(22, 0, 24))
+_Q5_0_HL, _Q5_0_HH = (shuffler2(*m) for m in _qh_mask(22, 2, 24))
+
+
+@njit(inline="always")
+def _quad_q5_0(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 24, 64)
+    lo, hi = _nibbles_bit4(_Q5_0_QS(a, b), _Q5_0_HL(a, b), _Q5_0_HH(a, b))
+    return lo, hi, _words(_Q5_0_D, a, b), splat(f32(0), 16)
+
+
+_Q5_1_QS, _Q5_1_D, _Q5_1_M = shuffler2(*_qs_mask(24, 8, 32)), shuffler2(*_word_mask(24, 0, 32)), shuffler2(
+    *_word_mask(24, 2, 32))
+_Q5_1_HL, _Q5_1_HH = (shuffler2(*m) for m in _qh_mask(24, 4, 32))
+
+
+@njit(inline="always")
+def _quad_q5_1(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 32, 64)
+    lo, hi = _nibbles_bit4(_Q5_1_QS(a, b), _Q5_1_HL(a, b), _Q5_1_HH(a, b))
+    return lo, hi, _words(_Q5_1_D, a, b), _words(_Q5_1_M, a, b)
+
+
+# Q8_0's group is 136 bytes: a (0-63), b (64-127), c (72-135); block 3's high half comes from c.
+_Q8_0_LO = shuffler2(*_qs_mask(34, 2, 64))
+_Q8_0_HI = shuffler2(*[_src(18 + 34 * j + i, 64) if j < 3 else 0 for j in range(4) for i in range(16)])
+_Q8_0_HI3 = shuffler2(*[16 * j + i if j < 3 else 64 + 120 + i - 72 for j in range(4) for i in range(16)])
+_Q8_0_D = shuffler2(*_word_mask(34, 0, 64))
+
+
+@njit(inline="always")
+def _quad_q8_0(row, o):
+    a, b, c = ld(row, o, 64), ld(row, o + 64, 64), ld(row, o + 72, 64)
+    lo, hi = vadd(_Q8_0_LO(a, b), 128), vadd(_Q8_0_HI3(_Q8_0_HI(a, b), c), 128)
+    return lo, hi, _words(_Q8_0_D, a, b), splat(f32(0), 16)
 
 
 # K types as 16 sub-blocks of 16 (a type with sub-blocks of 32 repeats each value twice):
@@ -790,16 +1060,53 @@ def _quants_iq4_xs(row, o, c):
     return _IQ4(_nibbles(ld(row, o + 8 + 16 * c, 16)))
 
 
-_PAIR_BYTES = shuffler(*range(16), *range(16), *range(16, 32), *range(16, 32))
+@njit(inline="always")
+def _half_iq4_xs(row, o, h):
+    """(lo, hi) of sub-blocks 4h..4h+3 in the quad layout: their 64 bytes of nibbles, one load."""
+    lo, hi = _split(ld(row, o + 8 + 64 * h, 64))
+    return _IQ4(lo), _IQ4(hi)
+
+
+# Pairs of K-type chunks (decode): pair(w, o, i) -> uint8 x 64, elements 64i..64i+63 of the
+# super-block at o (chunks 2i and 2i+1), one 512-bit vector: the 32 bytes the two chunks share
+# loaded once into both halves, each half shifted by its own count (shifts of 64-bit lanes: the
+# bits shifted in from the next byte are masked off).
+@njit(inline="always")
+def _both(v, s0, s1):
+    u64 = np.uint64
+    return view(vshr(view(cat(v, v), u64), cat(splat(u64(s0), 4), splat(u64(s1), 4))), np.uint8)
 
 
 @njit(inline="always")
-def _quants_iq4_xs_pair(row, o, i):
-    """uint8 x 64: chunks 2i and 2i+1 (one 512-bit vector: half the instructions of two chunks)."""
-    u32 = np.uint32
-    s8 = cat(splat(u32(0), 4), splat(u32(4), 4))
-    b = view(_PAIR_BYTES(ld(row, o + 8 + 32 * i, 32)), np.uint32)
-    return _IQ4(vand(view(vshr(b, cat(s8, s8)), np.uint8), 15))
+def _pair_q2_k(row, o, i):
+    s = 4 * (i & 1)
+    return vand(_both(ld(row, o + 16 + 32 * (i >> 1), 32), s, s + 2), 3)
+
+
+@njit(inline="always")
+def _pair_q3_k(row, o, i):
+    s = 4 * (i & 1)
+    low = vand(_both(ld(row, o + 32 + 32 * (i >> 1), 32), s, s + 2), 3)
+    return vor(low, vshl(vand(_both(ld(row, o, 32), 2 * i, 2 * i + 1), 1), 2))
+
+
+@njit(inline="always")
+def _pair_q4_k(row, o, i):
+    return vand(_both(ld(row, o + 16 + 32 * i, 32), 0, 4), 15)
+
+
+@njit(inline="always")
+def _pair_q5_k(row, o, i):
+    low = vand(_both(ld(row, o + 48 + 32 * i, 32), 0, 4), 15)
+    return vor(low, vshl(vand(_both(ld(row, o + 16, 32), 2 * i, 2 * i + 1), 1), 4))
+
+
+@njit(inline="always")
+def _pair_q6_k(row, o, i):
+    # chunks 4h + 2u and 4h + 2u + 1 (h = i // 2, u = i % 2): ql[64h:64h+64] >> 4u, one load
+    u = i & 1
+    low = vand(view(vshr(view(ld(row, o + 64 * (i >> 1), 64), np.uint16), 4 * u), np.uint8), 15)
+    return vor(low, vshl(vand(_both(ld(row, o + 128 + 32 * (i >> 1), 32), 4 * u, 4 * u + 2), 3), 4))
 
 
 # F32 / F16 / BF16: rows of 4 / 2 / 2-byte little-endian floats; element i of the row at byte ro
@@ -822,9 +1129,10 @@ def _load_bf16(row, ro, i, n):
 # ---------------------------------------------------------------------------------------------
 # Row dot products (decode), one loop per family, specialized on the decoder passed in (the loops
 # are inlined: a decoder argument must not outlive compilation). Arrays are flat and addressed by
-# offsets (a view per row would cost atomic reference counting per row): w holds all rows, the
-# row starts at byte ro; the token's activations (from _quantize_q8) start at xo in x and xq and
-# at bo in the per-block arrays.
+# offsets (a view per row would cost atomic reference counting per row; so would an inlined
+# helper taking arrays inside the block loop, where numba cannot prune the counts): w holds all
+# rows, the row starts at byte ro; the token's activations (from _quantize_q8, permuted by
+# _acts_quad) start at xo in x and xq, at xo / 4 in xoff and x4, and at bo in the per-block arrays.
 # ---------------------------------------------------------------------------------------------
 @njit(fastmath=True, inline="always")
 def _dot_float(w, ro, x, xo, k, load):
@@ -843,122 +1151,129 @@ def _dot_float(w, ro, x, xo, k, load):
 
 
 @njit(fastmath=True, inline="always")
-def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, nbytes, has_min, scratch):
-    # one 256-bit product per block (8 int32 lanes) started from xoff = -off * (sums of 4 xq), so
-    # that it yields sum((q - off) * xq); blocks alternate between two accumulators so that
-    # consecutive FMAs do not wait on each other. Scales (d at byte 0 of every block type, m at
-    # byte 2 if the type has one) are converted 8 blocks at a time and broadcast from scratch.
-    a0 = splat(f32(0), 8)
-    a1 = splat(f32(0), 8)
-    am = splat(f32(0), 8)  # m * xsum, 8 blocks per lane group
-    mins = f32(0)
-    b = 0
-    while b + 8 <= nb:
-        o = ro + nbytes * b
-        st(scratch, 0, vmul(halves(w, o, nbytes, 8), ld(xd, bo + b, 8)))
+def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes, has_min):
+    # Groups of 4 blocks (quad): two 512-bit products started from xoff's -off * (sums of 4 xq),
+    # so that they yield sum((q - off) * xq) in 4 lanes per block; x4 holds the activations'
+    # scales per lane (xd, then xsum / 4 for the mins) at xo4, 32 floats a group. Groups alternate
+    # between two accumulators (one would make each group wait for the last FMA). The weight
+    # stream is prefetched _PF bytes ahead: the hardware prefetcher stops at each 4 KiB page.
+    acc0 = splat(f32(0), 16)
+    acc1 = splat(f32(0), 16)
+    am0 = splat(f32(0), 16)
+    am1 = splat(f32(0), 16)
+    ng = nb // 4
+    for g in range(ng):
+        o = ro + 4 * nbytes * g
+        for p in range(0, 4 * nbytes, 64):
+            prefetch(w, o + _PF + p)
+        lo, hi, d, m = quad(w, o)
+        xg = xo + 128 * g
+        i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
+        acc0 = fma(cvt(i, np.float32), vmul(d, ld(x4, xo4 + 32 * g, 16)), acc0)
         if has_min:
-            am = fma(halves(w, o + 2, nbytes, 8), ld(xsum, bo + b, 8), am)
-        for j in range(0, 8, 2):
-            q0, _, _, _ = block(w, o + nbytes * j)
-            q1, _, _, _ = block(w, o + nbytes * j + nbytes)
-            p0 = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * (b + j), 8), q0, ld(xq, xo + 32 * (b + j), 32)), np.float32)
-            p1 = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * (b + j) + 8, 8), q1, ld(xq, xo + 32 * (b + j) + 32, 32)), np.float32)
-            a0 = fma(p0, splat(at(scratch, j), 8), a0)
-            a1 = fma(p1, splat(at(scratch, j + 1), 8), a1)
-        b += 8
-    while b < nb:
+            am0 = fma(m, ld(x4, xo4 + 32 * g + 16, 16), am0)
+        acc0, acc1 = acc1, acc0  # the next group adds to the other one
+        am0, am1 = am1, am0
+    mins = f32(0)
+    tail = splat(f32(0), 8)
+    for b in range(ng * 4, nb):  # the last nb % 4 blocks, in natural order
         q, off, d, m = block(w, ro + nbytes * b)
         p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
-        a0 = fma(p, splat(d * at(xd, bo + b), 8), a0)
+        tail = fma(p, splat(d * at(xd, bo + b), 8), tail)
         mins += m * at(xsum, bo + b)
-        b += 1
-    return hsum(vadd(vadd(a0, a1), am)) + mins
+    return hsum(vadd(vadd(acc0, am0), vadd(acc1, am1))) + hsum(tail) + mins
 
 
-@njit(inline="always")
-def _pick(sc, c):
-    """int16 x 16: lanes 0-7 = sc[2c], 8-15 = sc[2c+1] (the scale of each pair sum of chunk c)."""
-    return cat(splat(lane(sc, 2 * c), 8), splat(lane(sc, 2 * c + 1), 8))
-
-
-@njit(inline="always")
-def _dot_chunk(w, o, c, xq, xb, sc, ia, quants):
-    p = maddubs(quants(w, o, c), ld(xq, xb + 32 * c, 32))  # int16 x 16: 8 pair sums per sub-block
-    return vadd(ia, madd(p, _pick(sc, c)))
-
-
+# sc (16 lanes, one per sub-block of 16) -> the int16 scale of each pair sum of pair i (32 lanes)
+_SCQ0, _SCQ1, _SCQ2, _SCQ3 = (shuffler(*[4 * i + j // 8 for j in range(32)]) for i in range(4))
+# float scales fs (16 lanes, sub-block j of 32 at 2j) -> the scale of each lane of half h's
+# products in the quad layout (IQ4_XS: sub-blocks 4h..4h+3, 4 lanes each)
+_SCH0, _SCH1 = (shuffler(*[2 * (4 * h + j) for j in range(4) for _ in range(4)]) for h in range(2))
 _LO8 = shuffler(*range(8))
 _HI8 = shuffler(*range(8, 16))
-# sc (16 lanes, each sub-block's scale twice) -> 8 lanes of sub-block 2i's, 8 of 2i+1's
-_SC_PAIR0, _SC_PAIR1, _SC_PAIR2, _SC_PAIR3 = (shuffler(*[4 * i] * 8, *[4 * i + 2] * 8) for i in range(4))
 
 
 @njit(inline="always")
-def _dot_chunk_wide(w, o, c, xq, xb, sc, ia, pair_quants):
-    """_dot_chunk for quants past 127 (IQ4_XS's, up to 241) in sub-blocks of 32: pmaddubsw's pair
-    sums would saturate; exact sums of 4 (vpdpbusd) times the sub-block's scale instead, two
-    chunks at a time (even c; odd c adds nothing): pair_quants(w, o, c // 2) -> uint8 x 64."""
-    if c & 1:
-        return ia
-    i = c >> 1
-    p = dot4(pair_quants(w, o, i), ld(xq, xb + 64 * i, 64))  # int32 x 16: chunk 2i, then 2i+1
-    s32 = cvt(sc, np.int32)
+def _pair_k(w, o, i, xq, xb, sc, ia, pair):
+    """Elements 64i..64i+63 of the super-block at o (pair(w, o, i) -> uint8 x 64) dotted with the
+    int8 activations at xb, int32 sums times the int16 scales into ia (pmaddubsw, vpdpwssd)."""
     if i == 0:
-        s = _SC_PAIR0(s32)
+        sp = _SCQ0(sc)
     elif i == 1:
-        s = _SC_PAIR1(s32)
+        sp = _SCQ1(sc)
     elif i == 2:
-        s = _SC_PAIR2(s32)
+        sp = _SCQ2(sc)
     else:
-        s = _SC_PAIR3(s32)
-    prod = vmul(p, s)
-    return vadd(ia, vadd(_LO8(prod), _HI8(prod)))
+        sp = _SCQ3(sc)
+    return madd_acc(ia, maddubs(pair(w, o, i), ld(xq, xb + 64 * i, 64)), sp)
+
+
+@njit(inline="always")
+def _half_wide(w, o, h, xq, xb, xoff, xob, fs, fa, half):
+    """Elements 128h..128h+127 of the super-block at o, for quants past 127 (IQ4_XS's, up to 241:
+    pmaddubsw's pair sums would saturate): half(w, o, h) -> (lo, hi) in the quad layout the
+    activations were permuted to (_acts_quad), exact sums of 4 (vpdpbusd) started from xoff's
+    -off * (sums of xq), times the float scales fs into fa."""
+    lo, hi = half(w, o, h)
+    x = xb + 128 * h
+    i = dot4acc(dot4acc(ld(xoff, xob + 16 * h, 16), lo, ld(xq, x, 64)), hi, ld(xq, x + 64, 64))
+    return fma(cvt(i, np.float32), _SCH0(fs) if h == 0 else _SCH1(fs), fa)
 
 
 @njit(fastmath=True, inline="always")
-def _dot_k(w, ro, xq, xo, xd, bsum, bo, nb, scales, quants, nbytes, off, chunk):
-    # the sub-block scales are small integers: accumulate int32 over the super-block, one float
-    # FMA per 256 weights. The 8 chunks are written out: constant shifts and offsets in each.
-    # Offsets and mins per super-block: xd * (d * off * sum(sc * bsum) + dmin * sum(m * bsum)).
+def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has_min, wide):
+    # The sub-block scales are small integers: int32 sums over the super-block, one float FMA per
+    # 256 weights. Offsets and mins per super-block, 8 lanes of 2 sub-blocks: -d * off *
+    # sum(sc * bsum) and -dmin * sum(m * bsum), one pmaddwd each. `wide` (IQ4_XS): float scales,
+    # one FMA per 128 weights, the offset in xoff. 512-bit products, 64 weights each; the weight
+    # stream is prefetched _PF bytes ahead (the hardware prefetcher stops at each 4 KiB page).
     acc = splat(f32(0), 8)
-    mins = f32(0)
+    macc = splat(f32(0), 8)
+    fa = splat(f32(0), 16)
     for b in range(nb):
         o = ro + b * nbytes
+        for p in range(0, nbytes, 64):
+            prefetch(w, o + _PF + p)
         d, dmin, sc, mn = scales(w, o)
         xb = xo + 256 * b
-        ia = splat(i32(0), 8)
-        ia = chunk(w, o, 0, xq, xb, sc, ia, quants)
-        ia = chunk(w, o, 1, xq, xb, sc, ia, quants)
-        ia = chunk(w, o, 2, xq, xb, sc, ia, quants)
-        ia = chunk(w, o, 3, xq, xb, sc, ia, quants)
-        ia = chunk(w, o, 4, xq, xb, sc, ia, quants)
-        ia = chunk(w, o, 5, xq, xb, sc, ia, quants)
-        ia = chunk(w, o, 6, xq, xb, sc, ia, quants)
-        ia = chunk(w, o, 7, xq, xb, sc, ia, quants)
         xdb = at(xd, bo + b)
-        acc = fma(cvt(ia, np.float32), splat(d * xdb, 8), acc)
-        bs = ld(bsum, 16 * (bo + b), 16)
-        so = hsum(vmul(cvt(sc, np.int32), bs)) if off else 0
-        ms = hsum(vmul(mn, bs))
-        mins += xdb * (d * f32(off * so) + dmin * f32(ms))
-    return hsum(acc) - mins
+        if wide:
+            fs = vmul(cvt(sc, np.float32), d * xdb)
+            fa = _half_wide(w, o, 0, xq, xb, xoff, (xo >> 2) + 32 * b, fs, fa, pair)
+            fa = _half_wide(w, o, 1, xq, xb, xoff, (xo >> 2) + 32 * b, fs, fa, pair)
+        else:
+            sc = opaque(sc)
+            ia = _pair_k(w, o, 0, xq, xb, sc, splat(i32(0), 16), pair)  # two chains of sums
+            ib = _pair_k(w, o, 1, xq, xb, sc, splat(i32(0), 16), pair)
+            ia = _pair_k(w, o, 2, xq, xb, sc, ia, pair)
+            ib = _pair_k(w, o, 3, xq, xb, sc, ib, pair)
+            ia = vadd(ia, ib)
+            bs = cvt(ld(bsum, 16 * (bo + b), 16), np.int16)
+            ia8 = vadd(_LO8(ia), _HI8(ia))
+            if off:
+                ia8 = vadd(ia8, madd(vmul(sc, -off), bs))
+            acc = fma(cvt(ia8, np.float32), splat(d * xdb, 8), acc)
+            if has_min:
+                macc = fma(cvt(madd(cvt(mn, np.int16), bs), np.float32), splat(dmin * xdb, 8), macc)
+    return hsum(acc) + hsum(fa) - hsum(macc)
 
 
 @njit(fastmath=True, inline="always")
-def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, nbytes, has_min):
+def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, block, quad, nbytes, has_min):
     nb = k // 32
-    scratch = np.empty(8, np.float32)
     for r in range(r0, r1):
         for t in range(n):
-            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, t * nb, nb, block, nbytes, has_min, scratch)
+            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, x4, t * (k // 4), t * nb, nb, block, quad,
+                                      nbytes, has_min)
 
 
 @njit(fastmath=True, inline="always")
-def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, scales, quants, nbytes, off, chunk):
+def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, wide):
     nb = k // 256
     for r in range(r0, r1):
         for t in range(n):
-            out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, t * nb, nb, scales, quants, nbytes, off, chunk)
+            out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, xoff, t * nb, nb, scales, pair, nbytes, off,
+                                     has_min, wide)
 
 
 @njit(fastmath=True, inline="always")
@@ -969,34 +1284,36 @@ def _rows_float(w, rb, r0, r1, k, n, x, out, col, load):
 
 
 @njit(fastmath=True)
-def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
+def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, x4, out, col):
     """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
     type is dispatched once per call, outside the row loop."""
     if qtype == Q4_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q4_0, _quad_q4_0, 18, False)
     elif qtype == Q4_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, 20, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q4_1, _quad_q4_1, 20, True)
     elif qtype == Q5_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, 22, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q5_0, _quad_q5_0, 22, False)
     elif qtype == Q5_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, 24, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q5_1, _quad_q5_1, 24, True)
     elif qtype == Q8_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, 34, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q8_0, _quad_q8_0, 34, False)
     elif qtype == Q2_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q2_k, _quants_q2_k, 84, _OFF_Q2_K, _dot_chunk)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, 84, _OFF_Q2_K, True, False)
     elif qtype == Q3_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q3_k, _quants_q3_k, 110, _OFF_Q3_K, _dot_chunk)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, 110, _OFF_Q3_K, False,
+                False)
     elif qtype == Q4_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_k4, _quants_q4_k, 144, _OFF_Q4_K, _dot_chunk)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4, _pair_q4_k, 144, _OFF_Q4_K, True, False)
     elif qtype == Q5_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_k4, _quants_q5_k, 176, _OFF_Q5_K, _dot_chunk)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4, _pair_q5_k, 176, _OFF_Q5_K, True, False)
     elif qtype == Q6_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_q6_k, _quants_q6_k, 210, _OFF_Q6_K, _dot_chunk)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False,
+                False)
     elif qtype == IQ4_NL:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_iq4_nl, _quad_iq4_nl, 18, False)
     elif qtype == IQ4_XS:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _scales_iq4_xs, _quants_iq4_xs_pair, 136, _OFF_IQ4_XS,
-                _dot_chunk_wide)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, 136, _OFF_IQ4_XS,
+                False, True)
     elif qtype == F32:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
     elif qtype == F16:
@@ -1154,14 +1471,19 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     xd = np.empty(n * nb, np.float32)  # token t at t * nb
     xsum = np.empty(n * nb, np.float32)
     bsum = np.empty(n * (k // 16), np.int32)  # token t at t * k // 16
-    xoff = np.empty(n * k // 4, np.int32)  # -off * (sums of 4 consecutive xq): see _dot_32
+    xoff = np.empty(n * k // 4, np.int32)  # -off * (sums of xq): see _dot_32
     if fam != 0:
         for t in range(n):
             sl = slice(t * nb, t * nb + nb)
             _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
-        off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (128 if qtype == Q8_0 or qtype == IQ4_NL else 0))
-        for i in range(n * k // 4):
-            xoff[i] = -off * (i32(xq[4 * i]) + i32(xq[4 * i + 1]) + i32(xq[4 * i + 2]) + i32(xq[4 * i + 3]))
+    x4 = np.empty(n * k // 4, np.float32)  # the 32-element types' scales per lane: see _dot_32
+    if fam == 32 or qtype == IQ4_XS:
+        off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (
+            128 if qtype == Q8_0 or qtype == IQ4_NL or qtype == IQ4_XS else 0))
+        for t in range(n):
+            _acts_quad(xq, off, k, t, xoff)
+            if fam == 32:
+                _acts_x4(xd, xsum, k, t, x4)
     xf = xa.reshape(-1)
     c0, c1, c2 = (m0 + _CHUNK - 1) // _CHUNK, (m1 + _CHUNK - 1) // _CHUNK, (ws[2].shape[0] + _CHUNK - 1) // _CHUNK
     for item in prange(c0 + c1 + c2):
@@ -1170,7 +1492,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
         r0 = c * _CHUNK
         r1 = min(w.shape[0], r0 + _CHUNK)
-        _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
+        _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, x4, out, col)
     if res.shape[0]:
         _epilogue(out, col0, m0 + m1 + ws[2].shape[0], eps, res, post_w)
 

@@ -156,6 +156,18 @@ def test_iq4_table_is_ggmls():
     np.testing.assert_array_equal(got, np.array(KVALUES_IQ4NL + KVALUES_IQ4NL[::-1], np.float32))
 
 
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ("F32", "F16", "BF16")])
+def test_decode_row_lengths(name):
+    """Decode rows of every length the kernels split differently: the 32-element types in groups
+    of 4 blocks, two groups a step (one group; an odd count; leftover blocks: k = 128, 640, 704),
+    the K types one super-block at a time (1 and 3), with every token count of the decode path."""
+    rng = np.random.default_rng(14)
+    for k in ((128, 640, 704) if BY_NAME[name].block_elems == 32 else (256, 768)):
+        w = random_raw(name, 21, k, rng)
+        for n in (1, 2, qm.SMALL_N):
+            check(w, name, rng.standard_normal((n, k), dtype=np.float32))
+
+
 def test_many_tokens_and_out():
     rng = np.random.default_rng(3)
     w = quantized("Q4_0", 37, 64, rng)
@@ -358,8 +370,8 @@ def test_vector_primitives(monkeypatch, isa):
     last two forced by editing the feature tables before compiling fresh kernels. The block
     decoders are target-neutral code on top of these."""
     if isa != "native":
-        for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD", "_PSHUFB"):
-            keep = {16, 32} if isa == "avx2" and table != "_VPDPBUSD" else set()
+        for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD", "_VPDPWSSD", "_PSHUFB", "_PERMW"):
+            keep = {16, 32} if isa == "avx2" and table in ("_PMADDWD", "_PMADDUBSW", "_PSHUFB") else set()
             monkeypatch.setattr(qm, table, {n: v for n, v in getattr(qm, table).items() if n in keep})
         monkeypatch.setattr(qm, "_NATIVE_F16", False if isa == "generic" else qm._NATIVE_F16)
 
