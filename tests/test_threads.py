@@ -108,7 +108,6 @@ def test_an_idle_gap_looks_at_the_load_again():
 def test_runnable_elsewhere_sees_a_busy_process():
     if not os.path.exists("/proc/stat"):
         pytest.skip("no /proc: the load is not read on this system")
-    before = min(T.runnable_elsewhere() for _ in range(5))
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
@@ -116,7 +115,7 @@ def test_runnable_elsewhere_sees_a_busy_process():
     finally:
         busy.kill()
         busy.wait()
-    assert seen >= 1 and seen >= before
+    assert seen >= 1  # (other processes may come and go meanwhile: no comparison with before)
     assert 1 <= T.free_cores(os.cpu_count() or 1) <= (os.cpu_count() or 1)
 
 
