@@ -32,11 +32,6 @@ _T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast
 f32, i32 = np.float32, np.int32
 
 
-def sub_block(qtype: int) -> int:
-    """The type's scale granularity: 16 for Q2_K, Q3_K and Q6_K (a scale per 16), else 32."""
-    return 16 if qtype in (Q2_K, Q3_K, Q6_K) else 32
-
-
 @njit(inline="always")
 def _type_info(qtype):
     """(quant offset, has a min term, sub-block size) of a quantized type."""
