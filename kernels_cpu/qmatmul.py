@@ -51,7 +51,7 @@ _FLOAT_TYPES = (F32, F16, BF16)
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
 SMALL_N = 7  # up to this many tokens: integer dots on rows read once (decode); measured crossover ~8
-_PF = 4096  # decode: bytes of weights prefetched ahead (1024 streamed at 0.89x of 4096 in a 7B model)
+_PF = 4096  # decode: bytes of weights prefetched ahead (7B Q4_0 matvecs: 1024 0.93x, 2048 0.99x, 8192 0.99x)
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
 _TOK = 32
@@ -163,14 +163,15 @@ def st(typingctx, arr, i, v):
 
 @intrinsic
 def prefetch(typingctx, arr, i):
-    """Hint: the cache line of arr[i] will be read soon (never faults, even past the end)."""
+    """Hint: the cache line of arr[i] will be read soon (never faults, even past the end). Into L2
+    (prefetcht2): into L1 the Q4_K_M 7B matvecs streamed at 0.81x, Q4_0's the same."""
 
     def codegen(context, builder, sig, args):
         i8p = ir.IntType(8).as_pointer()
         ptr = builder.bitcast(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), i8p)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                             "llvm.prefetch.p0")
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])  # read, to L1
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 1), ir.Constant(_I32, 1)])  # read, to L2
         return context.get_dummy_value()
 
     return types.none(arr, i), codegen
@@ -227,6 +228,31 @@ def half2(typingctx, arr, byte):
         return context.make_tuple(builder, sig.return_type, pair)
 
     return types.UniTuple(types.float32, 2)(arr, byte), codegen
+
+
+@intrinsic
+def word(typingctx, arr, byte):
+    """The little-endian uint32 at arr[byte:byte+4]."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return _load(builder, ptr, ir.IntType(32))
+
+    return types.uint32(arr, byte), codegen
+
+
+@intrinsic
+def pack2(typingctx, a, b):
+    """Vec(uint64, 2) of two integers (their low 64 bits)."""
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        v = ir.Constant(ir.VectorType(i64, 2), ir.Undefined)
+        for j, (x, t) in enumerate(zip(args, sig.args)):
+            v = builder.insert_element(v, context.cast(builder, x, t, types.uint64), ir.Constant(_I32, j))
+        return v
+
+    return Vec(types.uint64, 2)(a, b), codegen
 
 
 @intrinsic
@@ -964,6 +990,21 @@ def _scales_k4(row, o):
     return half(row, o), half(row, o + 2), _DUP8(cvt(sc, np.int16)), _DUP8(cvt(mn, np.int32))
 
 
+_MINS8 = shuffler(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)
+
+
+@njit(inline="always")
+def _scales_k4_dot(row, o):
+    """_scales_k4 for decode: the 6-bit fields unpacked in general-purpose registers, 4 at a time
+    (as llama.cpp's utmp), which leaves the vector ports to the products; sc one lane per
+    sub-block of 32 (lanes 8-15: the mins), mins as int16."""
+    s0, s1, s2 = word(row, o + 4), word(row, o + 8), word(row, o + 12)
+    sc = (s0 & 0x3F3F3F3F) | (((s2 & 0x0F0F0F0F) | (((s0 >> 6) & 0x03030303) << 4)) << 32)
+    mn = (s1 & 0x3F3F3F3F) | ((((s2 >> 4) & 0x0F0F0F0F) | (((s1 >> 6) & 0x03030303) << 4)) << 32)
+    v = cvt(view(pack2(sc, mn), np.uint8), np.int16)  # 8 scales (one per 32: _dot_k's sc32), then 8 mins
+    return half(row, o), half(row, o + 2), v, _MINS8(v)
+
+
 # Q4_K: 256 elements per 144-byte super-block (d:f16, dmin:f16, scales:12, qs:128).
 #   chunk c = 2i + s: q = (qs[32i + l] >> 4s) & 15.
 _OFF_Q4_K = 0
@@ -1155,26 +1196,31 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes,
 
 # sc (16 lanes, one per sub-block of 16) -> the int16 scale of each pair sum of pair i (32 lanes)
 _SCQ0, _SCQ1, _SCQ2, _SCQ3 = (shuffler(*[4 * i + j // 8 for j in range(32)]) for i in range(4))
+# the same from one lane per sub-block of 32 (sc32)
+_SCP0, _SCP1, _SCP2, _SCP3 = (shuffler(*[2 * i + j // 16 for j in range(32)]) for i in range(4))
 # float scales fs (16 lanes, sub-block j of 32 at 2j) -> the scale of each lane of half h's
 # products in the quad layout (IQ4_XS: sub-blocks 4h..4h+3, 4 lanes each)
 _SCH0, _SCH1 = (shuffler(*[2 * (4 * h + j) for j in range(4) for _ in range(4)]) for h in range(2))
 _LO8 = shuffler(*range(8))
 _HI8 = shuffler(*range(8, 16))
+_DM = shuffler(*[0] * 8, *[1] * 8)  # (d, dmin) -> 8 lanes of each
 
 
 @njit(inline="always")
-def _pair_k(w, o, i, xq, xb, sc, ia, pair):
+def _pair_k(w, o, i, xq, xb, sc, ia, pair, sc32):
     """Elements 64i..64i+63 of the super-block at o (pair(w, o, i) -> uint8 x 64) dotted with the
-    int8 activations at xb, int32 sums times the int16 scales into ia (pmaddubsw, vpdpwssd)."""
+    int8 activations at xb, int32 sums times the int16 scales: ia plus those (pmaddubsw, vpdpwssd),
+    pairs 0 and 1 without ia."""
     if i == 0:
-        sp = _SCQ0(sc)
+        sp = _SCP0(sc) if sc32 else _SCQ0(sc)
     elif i == 1:
-        sp = _SCQ1(sc)
+        sp = _SCP1(sc) if sc32 else _SCQ1(sc)
     elif i == 2:
-        sp = _SCQ2(sc)
+        sp = _SCP2(sc) if sc32 else _SCQ2(sc)
     else:
-        sp = _SCQ3(sc)
-    return madd_acc(ia, maddubs(pair(w, o, i), ld(xq, xb + 64 * i, 64)), sp)
+        sp = _SCP3(sc) if sc32 else _SCQ3(sc)
+    p = maddubs(pair(w, o, i), ld(xq, xb + 64 * i, 64))
+    return madd(p, sp) if i < 2 else madd_acc(ia, p, sp)  # pairs 0, 1 start the two chains
 
 
 @njit(inline="always")
@@ -1190,14 +1236,14 @@ def _half_wide(w, o, h, xq, xb, xoff, xob, fs, fa, half):
 
 
 @njit(fastmath=True, inline="always")
-def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has_min, wide):
+def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has_min, dm_at, sc32, wide):
     # The sub-block scales are small integers: int32 sums over the super-block, one float FMA per
     # 256 weights. Offsets and mins per super-block, 8 lanes of 2 sub-blocks: -d * off *
     # sum(sc * bsum) and -dmin * sum(m * bsum), one pmaddwd each. `wide` (IQ4_XS): float scales,
     # one FMA per 128 weights, the offset in xoff. 512-bit products, 64 weights each; the weight
     # stream is prefetched _PF bytes ahead (the hardware prefetcher stops at each 4 KiB page).
     acc = splat(f32(0), 8)
-    macc = splat(f32(0), 8)
+    dacc = splat(f32(0), 16)
     fa = splat(f32(0), 16)
     for b in range(nb):
         o = ro + b * nbytes
@@ -1212,19 +1258,22 @@ def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has
             fa = _half_wide(w, o, 1, xq, xb, xoff, (xo >> 2) + 32 * b, fs, fa, pair)
         else:
             sc = opaque(sc)
-            ia = _pair_k(w, o, 0, xq, xb, sc, splat(i32(0), 16), pair)  # two chains of sums
-            ib = _pair_k(w, o, 1, xq, xb, sc, splat(i32(0), 16), pair)
-            ia = _pair_k(w, o, 2, xq, xb, sc, ia, pair)
-            ib = _pair_k(w, o, 3, xq, xb, sc, ib, pair)
+            z = splat(i32(0), 16)  # (unused: pairs 0 and 1 start the chains)
+            ia = _pair_k(w, o, 0, xq, xb, sc, z, pair, sc32)  # two chains of sums
+            ib = _pair_k(w, o, 1, xq, xb, sc, z, pair, sc32)
+            ia = _pair_k(w, o, 2, xq, xb, sc, ia, pair, sc32)
+            ib = _pair_k(w, o, 3, xq, xb, sc, ib, pair, sc32)
             ia = vadd(ia, ib)
-            bs = cvt(ld(bsum, 16 * (bo + b), 16), np.int16)
+            bs = ld(bsum, 16 * (bo + b), 16)
             ia8 = vadd(_LO8(ia), _HI8(ia))
             if off:
                 ia8 = vadd(ia8, madd(vmul(sc, -off), bs))
-            acc = fma(cvt(ia8, np.float32), splat(d * xdb, 8), acc)
-            if has_min:
-                macc = fma(cvt(madd(cvt(mn, np.int16), bs), np.float32), splat(dmin * xdb, 8), macc)
-    return hsum(acc) + hsum(fa) - hsum(macc)
+            if has_min:  # sums and mins in one vector: times d * xd and dmin * xd, one FMA
+                dm = vmul(ld_f16(w, o + dm_at, 2), xdb)
+                dacc = fma(cvt(cat(ia8, madd(cvt(mn, np.int16), bs)), np.float32), _DM(dm), dacc)
+            else:
+                acc = fma(cvt(ia8, np.float32), splat(d * xdb, 8), acc)
+    return hsum(acc) + hsum(fa) + hsum(_LO8(dacc)) - hsum(_HI8(dacc))
 
 
 @njit(fastmath=True, inline="always")
@@ -1237,12 +1286,13 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, block, quad,
 
 
 @njit(fastmath=True, inline="always")
-def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, wide):
+def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, dm_at, sc32,
+            wide):
     nb = k // 256
     for r in range(r0, r1):
         for t in range(n):
             out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, xoff, t * nb, nb, scales, pair, nbytes, off,
-                                     has_min, wide)
+                                     has_min, dm_at, sc32, wide)
 
 
 @njit(fastmath=True, inline="always")
@@ -1267,22 +1317,25 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, x4, out, 
     elif qtype == Q8_0:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q8_0, _quad_q8_0, 34, False)
     elif qtype == Q2_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, 84, _OFF_Q2_K, True, False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, 84, _OFF_Q2_K, True, 80,
+                False, False)
     elif qtype == Q3_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, 110, _OFF_Q3_K, False,
-                False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, 110, _OFF_Q3_K, False, 0,
+                False, False)
     elif qtype == Q4_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4, _pair_q4_k, 144, _OFF_Q4_K, True, False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _pair_q4_k, 144, _OFF_Q4_K, True, 0,
+                True, False)
     elif qtype == Q5_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4, _pair_q5_k, 176, _OFF_Q5_K, True, False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _pair_q5_k, 176, _OFF_Q5_K, True, 0,
+                True, False)
     elif qtype == Q6_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False,
-                False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False, 0,
+                False, False)
     elif qtype == IQ4_NL:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_iq4_nl, _quad_iq4_nl, 18, False)
     elif qtype == IQ4_XS:
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, 136, _OFF_IQ4_XS,
-                False, True)
+                False, 0, False, True)
     elif qtype == F32:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
     elif qtype == F16:
@@ -1439,7 +1492,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     xq = np.empty(n * k, np.int8)  # token t at t * k
     xd = np.empty(n * nb, np.float32)  # token t at t * nb
     xsum = np.empty(n * nb, np.float32)
-    bsum = np.empty(n * (k // 16), np.int32)  # token t at t * k // 16
+    bsum = np.empty(n * (k // 16), np.int16)  # token t at t * k // 16 (|sum of 16 int8| < 2**15)
     xoff = np.empty(n * k // 4, np.int32)  # -off * (sums of xq): see _dot_32
     if fam != 0:
         for t in range(n):
