@@ -714,6 +714,19 @@ def _quantize_q8(x, bs, xq, xd, xsum, bsum):
 _ACT_LO = shuffler2(*[32 * j + i for j in range(4) for i in range(16)])  # (a, b): the group's 128 bytes
 _ACT_HI = shuffler2(*[32 * j + 16 + i for j in range(4) for i in range(16)])
 _SPREAD4 = shuffler(*[j for j in range(4) for _ in range(4)])
+_ACT_K_LO = shuffler2(*range(32), *range(64, 96))
+_ACT_K_HI = shuffler2(*range(32, 64), *range(96, 128))
+
+
+@njit(fastmath=True, inline="always")
+def _acts_k4(xq, k, t):
+    """Token t's int8 activations (at t * k) in the order of _quad_q4_k's lanes: in each 128,
+    elements 0-31, 64-95, then 32-63, 96-127 (bsum, taken before, stays in natural order)."""
+    for g in range(k // 128):
+        o = t * k + 128 * g
+        a, b = ld(xq, o, 64), ld(xq, o + 64, 64)
+        st(xq, o, _ACT_K_LO(a, b))
+        st(xq, o + 64, _ACT_K_HI(a, b))
 
 
 @njit(fastmath=True, inline="always")
@@ -1001,7 +1014,7 @@ def _scales_k4_dot(row, o):
     s0, s1, s2 = word(row, o + 4), word(row, o + 8), word(row, o + 12)
     sc = (s0 & 0x3F3F3F3F) | (((s2 & 0x0F0F0F0F) | (((s0 >> 6) & 0x03030303) << 4)) << 32)
     mn = (s1 & 0x3F3F3F3F) | ((((s2 >> 4) & 0x0F0F0F0F) | (((s1 >> 6) & 0x03030303) << 4)) << 32)
-    v = cvt(view(pack2(sc, mn), np.uint8), np.int16)  # 8 scales (one per 32: _dot_k's sc32), then 8 mins
+    v = cvt(view(pack2(sc, mn), np.uint8), np.int16)  # 8 scales (one per 32: _dot_k's nib), 8 mins
     return half(row, o), half(row, o + 2), v, _MINS8(v)
 
 
@@ -1100,15 +1113,19 @@ def _pair_q3_k(row, o, i):
     return vor(low, vshl(vand(_both(ld(row, o, 32), 2 * i, 2 * i + 1), 1), 2))
 
 
+# Q4_K, Q5_K: half h of the super-block as (lo, hi) = chunks (4h, 4h+2) and (4h+1, 4h+3), the
+# low and high nibbles of one 64-byte load; the activations are permuted to match (_acts_k4).
 @njit(inline="always")
-def _pair_q4_k(row, o, i):
-    return vand(_both(ld(row, o + 16 + 32 * i, 32), 0, 4), 15)
+def _quad_q4_k(row, o, h):
+    return _split(ld(row, o + 16 + 64 * h, 64))
 
 
 @njit(inline="always")
-def _pair_q5_k(row, o, i):
-    low = vand(_both(ld(row, o + 48 + 32 * i, 32), 0, 4), 15)
-    return vor(low, vshl(vand(_both(ld(row, o + 16, 32), 2 * i, 2 * i + 1), 1), 4))
+def _quad_q5_k(row, o, h):
+    lo, hi = _split(ld(row, o + 48 + 64 * h, 64))
+    qh = ld(row, o + 16, 32)
+    lo = vor(lo, vshl(vand(_both(qh, 4 * h, 4 * h + 2), 1), 4))
+    return lo, vor(hi, vshl(vand(_both(qh, 4 * h + 1, 4 * h + 3), 1), 4))
 
 
 @njit(inline="always")
@@ -1196,8 +1213,9 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes,
 
 # sc (16 lanes, one per sub-block of 16) -> the int16 scale of each pair sum of pair i (32 lanes)
 _SCQ0, _SCQ1, _SCQ2, _SCQ3 = (shuffler(*[4 * i + j // 8 for j in range(32)]) for i in range(4))
-# the same from one lane per sub-block of 32 (sc32)
-_SCP0, _SCP1, _SCP2, _SCP3 = (shuffler(*[2 * i + j // 16 for j in range(32)]) for i in range(4))
+# the same for the halves of Q4_K / Q5_K (_quad_q4_k) from one lane per sub-block of 32: chunks
+# (c, c + 2) for c = 0, 1, 4, 5
+_SCN0, _SCN1, _SCN2, _SCN3 = (shuffler(*[c + j // 16 * 2 for j in range(32)]) for c in (0, 1, 4, 5))
 # float scales fs (16 lanes, sub-block j of 32 at 2j) -> the scale of each lane of half h's
 # products in the quad layout (IQ4_XS: sub-blocks 4h..4h+3, 4 lanes each)
 _SCH0, _SCH1 = (shuffler(*[2 * (4 * h + j) for j in range(4) for _ in range(4)]) for h in range(2))
@@ -1207,18 +1225,18 @@ _DM = shuffler(*[0] * 8, *[1] * 8)  # (d, dmin) -> 8 lanes of each
 
 
 @njit(inline="always")
-def _pair_k(w, o, i, xq, xb, sc, ia, pair, sc32):
+def _pair_k(w, o, i, xq, xb, sc, ia, pair):
     """Elements 64i..64i+63 of the super-block at o (pair(w, o, i) -> uint8 x 64) dotted with the
     int8 activations at xb, int32 sums times the int16 scales: ia plus those (pmaddubsw, vpdpwssd),
     pairs 0 and 1 without ia."""
     if i == 0:
-        sp = _SCP0(sc) if sc32 else _SCQ0(sc)
+        sp = _SCQ0(sc)
     elif i == 1:
-        sp = _SCP1(sc) if sc32 else _SCQ1(sc)
+        sp = _SCQ1(sc)
     elif i == 2:
-        sp = _SCP2(sc) if sc32 else _SCQ2(sc)
+        sp = _SCQ2(sc)
     else:
-        sp = _SCP3(sc) if sc32 else _SCQ3(sc)
+        sp = _SCQ3(sc)
     p = maddubs(pair(w, o, i), ld(xq, xb + 64 * i, 64))
     return madd(p, sp) if i < 2 else madd_acc(ia, p, sp)  # pairs 0, 1 start the two chains
 
@@ -1236,11 +1254,13 @@ def _half_wide(w, o, h, xq, xb, xoff, xob, fs, fa, half):
 
 
 @njit(fastmath=True, inline="always")
-def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has_min, dm_at, sc32, wide):
+def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has_min, dm_at, nib, wide):
     # The sub-block scales are small integers: int32 sums over the super-block, one float FMA per
     # 256 weights. Offsets and mins per super-block, 8 lanes of 2 sub-blocks: -d * off *
-    # sum(sc * bsum) and -dmin * sum(m * bsum), one pmaddwd each. `wide` (IQ4_XS): float scales,
-    # one FMA per 128 weights, the offset in xoff. 512-bit products, 64 weights each; the weight
+    # sum(sc * bsum) and -dmin * sum(m * bsum), one pmaddwd each; with mins (dmin at byte dm_at
+    # after d) sums and mins share one FMA. 512-bit products, 64 weights each: chunk pairs
+    # (pair(w, o, i)), or `nib` (Q4_K, Q5_K) the halves of _quad_q4_k with sc one lane per 32.
+    # `wide` (IQ4_XS): float scales, one FMA per 128 weights, the offset in xoff. The weight
     # stream is prefetched _PF bytes ahead (the hardware prefetcher stops at each 4 KiB page).
     acc = splat(f32(0), 8)
     dacc = splat(f32(0), 16)
@@ -1258,11 +1278,19 @@ def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has
             fa = _half_wide(w, o, 1, xq, xb, xoff, (xo >> 2) + 32 * b, fs, fa, pair)
         else:
             sc = opaque(sc)
-            z = splat(i32(0), 16)  # (unused: pairs 0 and 1 start the chains)
-            ia = _pair_k(w, o, 0, xq, xb, sc, z, pair, sc32)  # two chains of sums
-            ib = _pair_k(w, o, 1, xq, xb, sc, z, pair, sc32)
-            ia = _pair_k(w, o, 2, xq, xb, sc, ia, pair, sc32)
-            ib = _pair_k(w, o, 3, xq, xb, sc, ib, pair, sc32)
+            if nib:  # Q4_K, Q5_K: pair(w, o, h) -> the (lo, hi) of half h (_quad_q4_k), sc per 32
+                lo, hi = pair(w, o, 0)
+                ia = madd(maddubs(lo, ld(xq, xb, 64)), _SCN0(sc))
+                ib = madd(maddubs(hi, ld(xq, xb + 64, 64)), _SCN1(sc))
+                lo, hi = pair(w, o, 1)
+                ia = madd_acc(ia, maddubs(lo, ld(xq, xb + 128, 64)), _SCN2(sc))
+                ib = madd_acc(ib, maddubs(hi, ld(xq, xb + 192, 64)), _SCN3(sc))
+            else:
+                z = splat(i32(0), 16)  # (unused: pairs 0 and 1 start the chains)
+                ia = _pair_k(w, o, 0, xq, xb, sc, z, pair)  # two chains of sums
+                ib = _pair_k(w, o, 1, xq, xb, sc, z, pair)
+                ia = _pair_k(w, o, 2, xq, xb, sc, ia, pair)
+                ib = _pair_k(w, o, 3, xq, xb, sc, ib, pair)
             ia = vadd(ia, ib)
             bs = ld(bsum, 16 * (bo + b), 16)
             ia8 = vadd(_LO8(ia), _HI8(ia))
@@ -1286,13 +1314,13 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, block, quad,
 
 
 @njit(fastmath=True, inline="always")
-def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, dm_at, sc32,
+def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, dm_at, nib,
             wide):
     nb = k // 256
     for r in range(r0, r1):
         for t in range(n):
             out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, xoff, t * nb, nb, scales, pair, nbytes, off,
-                                     has_min, dm_at, sc32, wide)
+                                     has_min, dm_at, nib, wide)
 
 
 @njit(fastmath=True, inline="always")
@@ -1323,10 +1351,10 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, x4, out, 
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, 110, _OFF_Q3_K, False, 0,
                 False, False)
     elif qtype == Q4_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _pair_q4_k, 144, _OFF_Q4_K, True, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q4_k, 144, _OFF_Q4_K, True, 0,
                 True, False)
     elif qtype == Q5_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _pair_q5_k, 176, _OFF_Q5_K, True, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q5_k, 176, _OFF_Q5_K, True, 0,
                 True, False)
     elif qtype == Q6_K:
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False, 0,
@@ -1506,6 +1534,9 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
             _acts_quad(xq, off, k, t, xoff)
             if fam == 32:
                 _acts_x4(xd, xsum, k, t, x4)
+    if qtype == Q4_K or qtype == Q5_K:
+        for t in range(n):
+            _acts_k4(xq, k, t)
     xf = xa.reshape(-1)
     c0, c1, c2 = (m0 + _CHUNK - 1) // _CHUNK, (m1 + _CHUNK - 1) // _CHUNK, (ws[2].shape[0] + _CHUNK - 1) // _CHUNK
     for item in prange(c0 + c1 + c2):
