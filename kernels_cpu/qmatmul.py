@@ -748,16 +748,6 @@ def _acts_quad(xq, off, k, t, xoff):
         st(xoff, i, vmul(dot4(splat(np.uint8(1), 32), ld(xq, 4 * i, 32)), -off))
 
 
-@njit(fastmath=True, inline="always")
-def _acts_x4(xd, xsum, k, t, x4):
-    """x4 (32 floats a group of 4 blocks of 32, at t * k / 4) = xd of each lane of the group's
-    products, then xsum / 4 (a lane's share of the block's min term)."""
-    xo, bo = t * k, t * (k // 32)
-    for g in range(k // 128):
-        st(x4, (xo >> 2) + 32 * g, _SPREAD4(ld(xd, bo + 4 * g, 4)))
-        st(x4, (xo >> 2) + 32 * g + 16, vmul(_SPREAD4(ld(xsum, bo + 4 * g, 4)), f32(0.25)))
-
-
 # ---------------------------------------------------------------------------------------------
 # Block decoders: each type's layout is written once, here, and shared by the integer dot (decode)
 # and the float dequantization (prefill, get_rows). Quants come out as unsigned bytes (uint8 x 32,
@@ -1159,7 +1149,7 @@ def _load_bf16(row, ro, i, n):
 # offsets (a view per row would cost atomic reference counting per row; so would an inlined
 # helper taking arrays inside the block loop, where numba cannot prune the counts): w holds all
 # rows, the row starts at byte ro; the token's activations (from _quantize_q8, permuted by
-# _acts_quad) start at xo in x and xq, at xo / 4 in xoff and x4, and at bo in the per-block arrays.
+# _acts_quad) start at xo in x and xq, at xo / 4 in xoff, and at bo in the per-block arrays.
 # ---------------------------------------------------------------------------------------------
 @njit(fastmath=True, inline="always")
 def _dot_float(w, ro, x, xo, k, load):
@@ -1178,12 +1168,13 @@ def _dot_float(w, ro, x, xo, k, load):
 
 
 @njit(fastmath=True, inline="always")
-def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes, has_min):
+def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min):
     # Groups of 4 blocks (quad): two 512-bit products started from xoff's -off * (sums of 4 xq),
-    # so that they yield sum((q - off) * xq) in 4 lanes per block; x4 holds the activations'
-    # scales per lane (xd, then xsum / 4 for the mins) at xo4, 32 floats a group. Groups alternate
-    # between two accumulators (one would make each group wait for the last FMA). The weight
-    # stream is prefetched _PF bytes ahead: the hardware prefetcher stops at each 4 KiB page.
+    # so that they yield sum((q - off) * xq) in 4 lanes per block, times d and the activations'
+    # xd spread to the block's lanes (a copy per lane in memory read slower at large k: 33 KB
+    # of activations a row at k = 11008). Groups alternate between two accumulators (one would
+    # make each group wait for the last FMA). The weight stream is prefetched _PF bytes ahead:
+    # the hardware prefetcher stops at each 4 KiB page.
     acc0 = splat(f32(0), 16)
     acc1 = splat(f32(0), 16)
     am0 = splat(f32(0), 16)
@@ -1196,9 +1187,9 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes,
         lo, hi, d, m = quad(w, o)
         xg = xo + 128 * g
         i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
-        acc0 = fma(cvt(i, np.float32), vmul(d, ld(x4, xo4 + 32 * g, 16)), acc0)
+        acc0 = fma(cvt(i, np.float32), vmul(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc0)
         if has_min:
-            am0 = fma(m, ld(x4, xo4 + 32 * g + 16, 16), am0)
+            am0 = fma(m, _SPREAD4(ld(xsum, bo + 4 * g, 4)), am0)
         acc0, acc1 = acc1, acc0  # the next group adds to the other one
         am0, am1 = am1, am0
     mins = f32(0)
@@ -1208,7 +1199,7 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes,
         p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
         tail = fma(p, splat(d * at(xd, bo + b), 8), tail)
         mins += m * at(xsum, bo + b)
-    return hsum(vadd(vadd(acc0, am0), vadd(acc1, am1))) + hsum(tail) + mins
+    return hsum(vadd(vadd(acc0, acc1), vmul(vadd(am0, am1), f32(0.25)))) + hsum(tail) + mins  # 4 lanes a block
 
 
 # sc (16 lanes, one per sub-block of 16) -> the int16 scale of each pair sum of pair i (32 lanes)
@@ -1305,12 +1296,11 @@ def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has
 
 
 @njit(fastmath=True, inline="always")
-def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, block, quad, nbytes, has_min):
+def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nbytes, has_min):
     nb = k // 32
     for r in range(r0, r1):
         for t in range(n):
-            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, x4, t * (k // 4), t * nb, nb, block, quad,
-                                      nbytes, has_min)
+            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min)
 
 
 @njit(fastmath=True, inline="always")
@@ -1331,19 +1321,19 @@ def _rows_float(w, rb, r0, r1, k, n, x, out, col, load):
 
 
 @njit(fastmath=True)
-def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, x4, out, col):
+def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
     """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
     type is dispatched once per call, outside the row loop."""
     if qtype == Q4_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q4_0, _quad_q4_0, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, 18, False)
     elif qtype == Q4_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q4_1, _quad_q4_1, 20, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, 20, True)
     elif qtype == Q5_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q5_0, _quad_q5_0, 22, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, 22, False)
     elif qtype == Q5_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q5_1, _quad_q5_1, 24, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, 24, True)
     elif qtype == Q8_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q8_0, _quad_q8_0, 34, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, 34, False)
     elif qtype == Q2_K:
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, 84, _OFF_Q2_K, True, 80,
                 False, False)
@@ -1360,7 +1350,7 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, x4, out, 
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False, 0,
                 False, False)
     elif qtype == IQ4_NL:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_iq4_nl, _quad_iq4_nl, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, 18, False)
     elif qtype == IQ4_XS:
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, 136, _OFF_IQ4_XS,
                 False, 0, False, True)
@@ -1526,14 +1516,11 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         for t in range(n):
             sl = slice(t * nb, t * nb + nb)
             _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
-    x4 = np.empty(n * k // 4, np.float32)  # the 32-element types' scales per lane: see _dot_32
     if fam == 32 or qtype == IQ4_XS:
         off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (
             128 if qtype == Q8_0 or qtype == IQ4_NL or qtype == IQ4_XS else 0))
         for t in range(n):
             _acts_quad(xq, off, k, t, xoff)
-            if fam == 32:
-                _acts_x4(xd, xsum, k, t, x4)
     if qtype == Q4_K or qtype == Q5_K:
         for t in range(n):
             _acts_k4(xq, k, t)
@@ -1545,7 +1532,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
         r0 = c * _CHUNK
         r1 = min(w.shape[0], r0 + _CHUNK)
-        _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, x4, out, col)
+        _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
     if res.shape[0]:
         _epilogue(out, col0, m0 + m1 + ws[2].shape[0], eps, res, post_w)
 
