@@ -165,14 +165,15 @@ def st(typingctx, arr, i, v):
 
 @intrinsic
 def prefetch(typingctx, arr, i):
-    """Hint: the cache line of arr[i] will be read soon (never faults, even past the end)."""
+    """Hint: the cache line of arr[i] will be read soon (never faults, even past the end). Into L2
+    (prefetcht2): into L1 the Q4_K_M 7B matvecs streamed at 0.81x, Q4_0's the same."""
 
     def codegen(context, builder, sig, args):
         i8p = ir.IntType(8).as_pointer()
         ptr = builder.bitcast(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), i8p)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                             "llvm.prefetch.p0")
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])  # read, to L1
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 1), ir.Constant(_I32, 1)])  # read, to L2
         return context.get_dummy_value()
 
     return types.none(arr, i), codegen
@@ -229,6 +230,31 @@ def half2(typingctx, arr, byte):
         return context.make_tuple(builder, sig.return_type, pair)
 
     return types.UniTuple(types.float32, 2)(arr, byte), codegen
+
+
+@intrinsic
+def word(typingctx, arr, byte):
+    """The little-endian uint32 at arr[byte:byte+4]."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return _load(builder, ptr, ir.IntType(32))
+
+    return types.uint32(arr, byte), codegen
+
+
+@intrinsic
+def pack2(typingctx, a, b):
+    """Vec(uint64, 2) of two integers (their low 64 bits)."""
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        v = ir.Constant(ir.VectorType(i64, 2), ir.Undefined)
+        for j, (x, t) in enumerate(zip(args, sig.args)):
+            v = builder.insert_element(v, context.cast(builder, x, t, types.uint64), ir.Constant(_I32, j))
+        return v
+
+    return Vec(types.uint64, 2)(a, b), codegen
 
 
 @intrinsic
@@ -719,6 +745,19 @@ def _quantize_q8(x, bs, xq, xd, xsum, bsum):
 _ACT_LO = shuffler2(*[32 * j + i for j in range(4) for i in range(16)])  # (a, b): the group's 128 bytes
 _ACT_HI = shuffler2(*[32 * j + 16 + i for j in range(4) for i in range(16)])
 _SPREAD4 = shuffler(*[j for j in range(4) for _ in range(4)])
+_ACT_K_LO = shuffler2(*range(32), *range(64, 96))
+_ACT_K_HI = shuffler2(*range(32, 64), *range(96, 128))
+
+
+@njit(fastmath=True, inline="always")
+def _acts_k4(xq, k, t):
+    """Token t's int8 activations (at t * k) in the order of _quad_q4_k's lanes: in each 128,
+    elements 0-31, 64-95, then 32-63, 96-127 (bsum, taken before, stays in natural order)."""
+    for g in range(k // 128):
+        o = t * k + 128 * g
+        a, b = ld(xq, o, 64), ld(xq, o + 64, 64)
+        st(xq, o, _ACT_K_LO(a, b))
+        st(xq, o + 64, _ACT_K_HI(a, b))
 
 
 @njit(fastmath=True, inline="always")
@@ -738,16 +777,6 @@ def _acts_quad(xq, off, k, t, xoff):
         st(xoff, (xo >> 2) + 16 * g, vmul(dot4acc(dot4(ones, lo), ones, hi), -off))
     for i in range((xo >> 2) + 32 * (k // 128), (xo >> 2) + k // 4, 8):
         st(xoff, i, vmul(dot4(splat(np.uint8(1), 32), ld(xq, 4 * i, 32)), -off))
-
-
-@njit(fastmath=True, inline="always")
-def _acts_x4(xd, xsum, k, t, x4):
-    """x4 (32 floats a group of 4 blocks of 32, at t * k / 4) = xd of each lane of the group's
-    products, then xsum / 4 (a lane's share of the block's min term)."""
-    xo, bo = t * k, t * (k // 32)
-    for g in range(k // 128):
-        st(x4, (xo >> 2) + 32 * g, _SPREAD4(ld(xd, bo + 4 * g, 4)))
-        st(x4, (xo >> 2) + 32 * g + 16, vmul(_SPREAD4(ld(xsum, bo + 4 * g, 4)), f32(0.25)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -995,6 +1024,21 @@ def _scales_k4(row, o):
     return half(row, o), half(row, o + 2), _DUP8(cvt(sc, np.int16)), _DUP8(cvt(mn, np.int32))
 
 
+_MINS8 = shuffler(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)
+
+
+@njit(inline="always")
+def _scales_k4_dot(row, o):
+    """_scales_k4 for decode: the 6-bit fields unpacked in general-purpose registers, 4 at a time
+    (as llama.cpp's utmp), which leaves the vector ports to the products; sc one lane per
+    sub-block of 32 (lanes 8-15: the mins), mins as int16."""
+    s0, s1, s2 = word(row, o + 4), word(row, o + 8), word(row, o + 12)
+    sc = (s0 & 0x3F3F3F3F) | (((s2 & 0x0F0F0F0F) | (((s0 >> 6) & 0x03030303) << 4)) << 32)
+    mn = (s1 & 0x3F3F3F3F) | ((((s2 >> 4) & 0x0F0F0F0F) | (((s1 >> 6) & 0x03030303) << 4)) << 32)
+    v = cvt(view(pack2(sc, mn), np.uint8), np.int16)  # 8 scales (one per 32: _dot_k's nib), 8 mins
+    return half(row, o), half(row, o + 2), v, _MINS8(v)
+
+
 # Q4_K: 256 elements per 144-byte super-block (d:f16, dmin:f16, scales:12, qs:128).
 #   chunk c = 2i + s: q = (qs[32i + l] >> 4s) & 15.
 _OFF_Q4_K = 0
@@ -1090,15 +1134,19 @@ def _pair_q3_k(row, o, i):
     return vor(low, vshl(vand(_both(ld(row, o, 32), 2 * i, 2 * i + 1), 1), 2))
 
 
+# Q4_K, Q5_K: half h of the super-block as (lo, hi) = chunks (4h, 4h+2) and (4h+1, 4h+3), the
+# low and high nibbles of one 64-byte load; the activations are permuted to match (_acts_k4).
 @njit(inline="always")
-def _pair_q4_k(row, o, i):
-    return vand(_both(ld(row, o + 16 + 32 * i, 32), 0, 4), 15)
+def _quad_q4_k(row, o, h):
+    return _split(ld(row, o + 16 + 64 * h, 64))
 
 
 @njit(inline="always")
-def _pair_q5_k(row, o, i):
-    low = vand(_both(ld(row, o + 48 + 32 * i, 32), 0, 4), 15)
-    return vor(low, vshl(vand(_both(ld(row, o + 16, 32), 2 * i, 2 * i + 1), 1), 4))
+def _quad_q5_k(row, o, h):
+    lo, hi = _split(ld(row, o + 48 + 64 * h, 64))
+    qh = ld(row, o + 16, 32)
+    lo = vor(lo, vshl(vand(_both(qh, 4 * h, 4 * h + 2), 1), 4))
+    return lo, vor(hi, vshl(vand(_both(qh, 4 * h + 1, 4 * h + 3), 1), 4))
 
 
 @njit(inline="always")
@@ -1132,7 +1180,7 @@ def _load_bf16(row, ro, i, n):
 # offsets (a view per row would cost atomic reference counting per row; so would an inlined
 # helper taking arrays inside the block loop, where numba cannot prune the counts): w holds all
 # rows, the row starts at byte ro; the token's activations (from _quantize_q8, permuted by
-# _acts_quad) start at xo in x and xq, at xo / 4 in xoff and x4, and at bo in the per-block arrays.
+# _acts_quad) start at xo in x and xq, at xo / 4 in xoff, and at bo in the per-block arrays.
 # ---------------------------------------------------------------------------------------------
 @njit(fastmath=True, inline="always")
 def _dot_float(w, ro, x, xo, k, load):
@@ -1151,12 +1199,13 @@ def _dot_float(w, ro, x, xo, k, load):
 
 
 @njit(fastmath=True, inline="always")
-def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes, has_min):
+def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min):
     # Groups of 4 blocks (quad): two 512-bit products started from xoff's -off * (sums of 4 xq),
-    # so that they yield sum((q - off) * xq) in 4 lanes per block; x4 holds the activations'
-    # scales per lane (xd, then xsum / 4 for the mins) at xo4, 32 floats a group. Groups alternate
-    # between two accumulators (one would make each group wait for the last FMA). The weight
-    # stream is prefetched _PF bytes ahead: the hardware prefetcher stops at each 4 KiB page.
+    # so that they yield sum((q - off) * xq) in 4 lanes per block, times d and the activations'
+    # xd spread to the block's lanes (a copy per lane in memory read slower at large k: 33 KB
+    # of activations a row at k = 11008). Groups alternate between two accumulators (one would
+    # make each group wait for the last FMA). The weight stream is prefetched _PF bytes ahead:
+    # the hardware prefetcher stops at each 4 KiB page.
     acc0 = splat(f32(0), 16)
     acc1 = splat(f32(0), 16)
     am0 = splat(f32(0), 16)
@@ -1169,9 +1218,9 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes,
         lo, hi, d, m = quad(w, o)
         xg = xo + 128 * g
         i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
-        acc0 = fma(cvt(i, np.float32), vmul(d, ld(x4, xo4 + 32 * g, 16)), acc0)
+        acc0 = fma(cvt(i, np.float32), vmul(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc0)
         if has_min:
-            am0 = fma(m, ld(x4, xo4 + 32 * g + 16, 16), am0)
+            am0 = fma(m, _SPREAD4(ld(xsum, bo + 4 * g, 4)), am0)
         acc0, acc1 = acc1, acc0  # the next group adds to the other one
         am0, am1 = am1, am0
     mins = f32(0)
@@ -1181,22 +1230,27 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, x4, xo4, bo, nb, block, quad, nbytes,
         p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
         tail = fma(p, splat(d * at(xd, bo + b), 8), tail)
         mins += m * at(xsum, bo + b)
-    return hsum(vadd(vadd(acc0, am0), vadd(acc1, am1))) + hsum(tail) + mins
+    return hsum(vadd(vadd(acc0, acc1), vmul(vadd(am0, am1), f32(0.25)))) + hsum(tail) + mins  # 4 lanes a block
 
 
 # sc (16 lanes, one per sub-block of 16) -> the int16 scale of each pair sum of pair i (32 lanes)
 _SCQ0, _SCQ1, _SCQ2, _SCQ3 = (shuffler(*[4 * i + j // 8 for j in range(32)]) for i in range(4))
+# the same for the halves of Q4_K / Q5_K (_quad_q4_k) from one lane per sub-block of 32: chunks
+# (c, c + 2) for c = 0, 1, 4, 5
+_SCN0, _SCN1, _SCN2, _SCN3 = (shuffler(*[c + j // 16 * 2 for j in range(32)]) for c in (0, 1, 4, 5))
 # float scales fs (16 lanes, sub-block j of 32 at 2j) -> the scale of each lane of half h's
 # products in the quad layout (IQ4_XS: sub-blocks 4h..4h+3, 4 lanes each)
 _SCH0, _SCH1 = (shuffler(*[2 * (4 * h + j) for j in range(4) for _ in range(4)]) for h in range(2))
 _LO8 = shuffler(*range(8))
 _HI8 = shuffler(*range(8, 16))
+_DM = shuffler(*[0] * 8, *[1] * 8)  # (d, dmin) -> 8 lanes of each
 
 
 @njit(inline="always")
 def _pair_k(w, o, i, xq, xb, sc, ia, pair):
     """Elements 64i..64i+63 of the super-block at o (pair(w, o, i) -> uint8 x 64) dotted with the
-    int8 activations at xb, int32 sums times the int16 scales into ia (pmaddubsw, vpdpwssd)."""
+    int8 activations at xb, int32 sums times the int16 scales: ia plus those (pmaddubsw, vpdpwssd),
+    pairs 0 and 1 without ia."""
     if i == 0:
         sp = _SCQ0(sc)
     elif i == 1:
@@ -1205,7 +1259,8 @@ def _pair_k(w, o, i, xq, xb, sc, ia, pair):
         sp = _SCQ2(sc)
     else:
         sp = _SCQ3(sc)
-    return madd_acc(ia, maddubs(pair(w, o, i), ld(xq, xb + 64 * i, 64)), sp)
+    p = maddubs(pair(w, o, i), ld(xq, xb + 64 * i, 64))
+    return madd(p, sp) if i < 2 else madd_acc(ia, p, sp)  # pairs 0, 1 start the two chains
 
 
 @njit(inline="always")
@@ -1221,14 +1276,16 @@ def _half_wide(w, o, h, xq, xb, xoff, xob, fs, fa, half):
 
 
 @njit(fastmath=True, inline="always")
-def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has_min, wide):
+def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has_min, dm_at, nib, wide):
     # The sub-block scales are small integers: int32 sums over the super-block, one float FMA per
     # 256 weights. Offsets and mins per super-block, 8 lanes of 2 sub-blocks: -d * off *
-    # sum(sc * bsum) and -dmin * sum(m * bsum), one pmaddwd each. `wide` (IQ4_XS): float scales,
-    # one FMA per 128 weights, the offset in xoff. 512-bit products, 64 weights each; the weight
+    # sum(sc * bsum) and -dmin * sum(m * bsum), one pmaddwd each; with mins (dmin at byte dm_at
+    # after d) sums and mins share one FMA. 512-bit products, 64 weights each: chunk pairs
+    # (pair(w, o, i)), or `nib` (Q4_K, Q5_K) the halves of _quad_q4_k with sc one lane per 32.
+    # `wide` (IQ4_XS): float scales, one FMA per 128 weights, the offset in xoff. The weight
     # stream is prefetched _PF bytes ahead (the hardware prefetcher stops at each 4 KiB page).
     acc = splat(f32(0), 8)
-    macc = splat(f32(0), 8)
+    dacc = splat(f32(0), 16)
     fa = splat(f32(0), 16)
     for b in range(nb):
         o = ro + b * nbytes
@@ -1243,37 +1300,48 @@ def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has
             fa = _half_wide(w, o, 1, xq, xb, xoff, (xo >> 2) + 32 * b, fs, fa, pair)
         else:
             sc = opaque(sc)
-            ia = _pair_k(w, o, 0, xq, xb, sc, splat(i32(0), 16), pair)  # two chains of sums
-            ib = _pair_k(w, o, 1, xq, xb, sc, splat(i32(0), 16), pair)
-            ia = _pair_k(w, o, 2, xq, xb, sc, ia, pair)
-            ib = _pair_k(w, o, 3, xq, xb, sc, ib, pair)
+            if nib:  # Q4_K, Q5_K: pair(w, o, h) -> the (lo, hi) of half h (_quad_q4_k), sc per 32
+                lo, hi = pair(w, o, 0)
+                ia = madd(maddubs(lo, ld(xq, xb, 64)), _SCN0(sc))
+                ib = madd(maddubs(hi, ld(xq, xb + 64, 64)), _SCN1(sc))
+                lo, hi = pair(w, o, 1)
+                ia = madd_acc(ia, maddubs(lo, ld(xq, xb + 128, 64)), _SCN2(sc))
+                ib = madd_acc(ib, maddubs(hi, ld(xq, xb + 192, 64)), _SCN3(sc))
+            else:
+                z = splat(i32(0), 16)  # (unused: pairs 0 and 1 start the chains)
+                ia = _pair_k(w, o, 0, xq, xb, sc, z, pair)  # two chains of sums
+                ib = _pair_k(w, o, 1, xq, xb, sc, z, pair)
+                ia = _pair_k(w, o, 2, xq, xb, sc, ia, pair)
+                ib = _pair_k(w, o, 3, xq, xb, sc, ib, pair)
             ia = vadd(ia, ib)
-            bs = cvt(ld(bsum, 16 * (bo + b), 16), np.int16)
+            bs = ld(bsum, 16 * (bo + b), 16)
             ia8 = vadd(_LO8(ia), _HI8(ia))
             if off:
                 ia8 = vadd(ia8, madd(vmul(sc, -off), bs))
-            acc = fma(cvt(ia8, np.float32), splat(d * xdb, 8), acc)
-            if has_min:
-                macc = fma(cvt(madd(cvt(mn, np.int16), bs), np.float32), splat(dmin * xdb, 8), macc)
-    return hsum(acc) + hsum(fa) - hsum(macc)
+            if has_min:  # sums and mins in one vector: times d * xd and dmin * xd, one FMA
+                dm = vmul(ld_f16(w, o + dm_at, 2), xdb)
+                dacc = fma(cvt(cat(ia8, madd(cvt(mn, np.int16), bs)), np.float32), _DM(dm), dacc)
+            else:
+                acc = fma(cvt(ia8, np.float32), splat(d * xdb, 8), acc)
+    return hsum(acc) + hsum(fa) + hsum(_LO8(dacc)) - hsum(_HI8(dacc))
 
 
 @njit(fastmath=True, inline="always")
-def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, block, quad, nbytes, has_min):
+def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nbytes, has_min):
     nb = k // 32
     for r in range(r0, r1):
         for t in range(n):
-            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, x4, t * (k // 4), t * nb, nb, block, quad,
-                                      nbytes, has_min)
+            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min)
 
 
 @njit(fastmath=True, inline="always")
-def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, wide):
+def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, dm_at, nib,
+            wide):
     nb = k // 256
     for r in range(r0, r1):
         for t in range(n):
             out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, xoff, t * nb, nb, scales, pair, nbytes, off,
-                                     has_min, wide)
+                                     has_min, dm_at, nib, wide)
 
 
 @njit(fastmath=True, inline="always")
@@ -1284,36 +1352,39 @@ def _rows_float(w, rb, r0, r1, k, n, x, out, col, load):
 
 
 @njit(fastmath=True)
-def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, x4, out, col):
+def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
     """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
     type is dispatched once per call, outside the row loop."""
     if qtype == Q4_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q4_0, _quad_q4_0, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, 18, False)
     elif qtype == Q4_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q4_1, _quad_q4_1, 20, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, 20, True)
     elif qtype == Q5_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q5_0, _quad_q5_0, 22, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, 22, False)
     elif qtype == Q5_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q5_1, _quad_q5_1, 24, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, 24, True)
     elif qtype == Q8_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_q8_0, _quad_q8_0, 34, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, 34, False)
     elif qtype == Q2_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, 84, _OFF_Q2_K, True, False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, 84, _OFF_Q2_K, True, 80,
+                False, False)
     elif qtype == Q3_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, 110, _OFF_Q3_K, False,
-                False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, 110, _OFF_Q3_K, False, 0,
+                False, False)
     elif qtype == Q4_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4, _pair_q4_k, 144, _OFF_Q4_K, True, False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q4_k, 144, _OFF_Q4_K, True, 0,
+                True, False)
     elif qtype == Q5_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4, _pair_q5_k, 176, _OFF_Q5_K, True, False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q5_k, 176, _OFF_Q5_K, True, 0,
+                True, False)
     elif qtype == Q6_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False,
-                False)
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False, 0,
+                False, False)
     elif qtype == IQ4_NL:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, x4, out, col, _block_iq4_nl, _quad_iq4_nl, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, 18, False)
     elif qtype == IQ4_XS:
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, 136, _OFF_IQ4_XS,
-                False, True)
+                False, 0, False, True)
     elif qtype == F32:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
     elif qtype == F16:
@@ -1470,20 +1541,20 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     xq = np.empty(n * k, np.int8)  # token t at t * k
     xd = np.empty(n * nb, np.float32)  # token t at t * nb
     xsum = np.empty(n * nb, np.float32)
-    bsum = np.empty(n * (k // 16), np.int32)  # token t at t * k // 16
+    bsum = np.empty(n * (k // 16), np.int16)  # token t at t * k // 16 (|sum of 16 int8| < 2**15)
     xoff = np.empty(n * k // 4, np.int32)  # -off * (sums of xq): see _dot_32
     if fam != 0:
         for t in range(n):
             sl = slice(t * nb, t * nb + nb)
             _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
-    x4 = np.empty(n * k // 4, np.float32)  # the 32-element types' scales per lane: see _dot_32
     if fam == 32 or qtype == IQ4_XS:
         off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (
             128 if qtype == Q8_0 or qtype == IQ4_NL or qtype == IQ4_XS else 0))
         for t in range(n):
             _acts_quad(xq, off, k, t, xoff)
-            if fam == 32:
-                _acts_x4(xd, xsum, k, t, x4)
+    if qtype == Q4_K or qtype == Q5_K:
+        for t in range(n):
+            _acts_k4(xq, k, t)
     xf = xa.reshape(-1)
     c0, c1, c2 = (m0 + _CHUNK - 1) // _CHUNK, (m1 + _CHUNK - 1) // _CHUNK, (ws[2].shape[0] + _CHUNK - 1) // _CHUNK
     for item in prange(c0 + c1 + c2):
@@ -1492,7 +1563,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
         r0 = c * _CHUNK
         r1 = min(w.shape[0], r0 + _CHUNK)
-        _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, x4, out, col)
+        _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
     if res.shape[0]:
         _epilogue(out, col0, m0 + m1 + ws[2].shape[0], eps, res, post_w)
 

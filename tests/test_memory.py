@@ -15,7 +15,7 @@ import pytest
 
 from conftest import get_llm, model_path
 from edgekv import LLM, ChatSession, SessionFileError
-from edgekv.errors import ContextError
+from edgekv.errors import ContextError, EdgekvError
 from edgekv.kvcache import LAYER_ARRAYS, KVCache, cache_bytes
 from edgekv.llm import capacities
 
@@ -265,3 +265,32 @@ def test_cli_shows_the_trained_context_warning_as_one_line():
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"edgekv: warning: n_ctx={trained + 8} is past the {trained} tokens")
+
+
+@linux_only
+def test_weights_copied_out_of_the_map_on_request(monkeypatch, tiny_models):
+    """EDGEKV_WEIGHTS=copy: the matrices leave the file's memory map for anonymous memory (the
+    same logits, prefill and decode), and the map's pages of them are given back, so that the
+    process does not hold the weights twice; any other value is refused."""
+    path = tiny_models["llama"]
+    ref = LLM(path, n_ctx=64, kv="f16")
+    monkeypatch.setenv("EDGEKV_WEIGHTS", "copy")
+    llm = LLM(path, n_ctx=64, kv="f16")
+    mm = np.frombuffer(llm.file._mmap, np.uint8)
+    lo, hi = mm.ctypes.data, mm.ctypes.data + mm.size
+    for w in (llm.model.layers[0]["ffn_down"], llm.model.output):
+        assert all(not lo <= a.ctypes.data < hi for a in w.ws if a.size)
+    def steps(m):
+        cache = m.new_cache()
+        return [m.forward([1, 5, 9], cache, 0), m.forward([3], cache, 3), m.forward([7], cache, 4)]
+
+    for a, b in zip(steps(ref), steps(llm)):
+        np.testing.assert_array_equal(a, b)
+    with open("/proc/self/smaps") as f:  # the map of this LLM's file: only what was not copied
+        blocks = f.read().split("\n")
+    at = next(i for i, line in enumerate(blocks) if line.startswith(f"{lo:x}-"))
+    rss_kb = next(int(line.split()[1]) for line in blocks[at:] if line.startswith("Rss:"))
+    assert rss_kb * 1024 < 0.2 * llm.file.size
+    monkeypatch.setenv("EDGEKV_WEIGHTS", "mapped")
+    with pytest.raises(EdgekvError, match="EDGEKV_WEIGHTS must be map or copy"):
+        LLM(path, n_ctx=64)

@@ -1,6 +1,10 @@
 """The CPU backend: the numba kernels of kernels_cpu/ behind the backend interface.
 
-Weights stay as raw GGUF blocks in the memory map, never copied or dequantized.
+Weights stay as raw GGUF blocks, never dequantized; by default in the memory map, never copied.
+With EDGEKV_WEIGHTS=copy the matrices are copied once, at load, to anonymous memory (and their
+pages of the map released, so that the process holds one copy): decode read them 6-12% faster
+there (7B Q4_0: 5.4-5.7 -> 6.0-6.3 tok/s on a 2-core Xeon VM), as llama.cpp reads the weights
+it repacks. Opt-in: the copy cannot be paged out and re-read under memory pressure as the map can.
 """
 from __future__ import annotations
 
@@ -8,6 +12,9 @@ import os
 import threading
 import time
 from pathlib import Path
+
+import ctypes
+import mmap
 
 import numpy as np
 
@@ -18,6 +25,28 @@ from .threads import RUNNING, ThreadTuner
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
 _NONE2 = np.empty((0, 0), np.float32)  # and residual
+
+
+def _release(raw: np.ndarray) -> None:
+    """Give back the process's pages of a read-only file map under raw (the whole pages inside it;
+    the file's page cache stays): MADV_DONTNEED, Linux. Elsewhere nothing."""
+    if not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/maps"):
+        return
+    start, end = raw.ctypes.data, raw.ctypes.data + raw.nbytes
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+def _resident(raw: np.ndarray) -> np.ndarray:
+    """A read-only copy of a weight's blocks in anonymous memory, its pages of the map given back."""
+    out = np.empty_like(raw)
+    np.copyto(out, raw)
+    out.flags.writeable = False
+    _release(raw)
+    return out
 
 
 def physical_cores() -> int:
@@ -88,6 +117,11 @@ class CPUBackend:
         self.auto_threads = threads is None  # None: fewer while other programs keep cores busy
         self._local = threading.local()  # numba's thread count belongs to the calling thread
         self.ops, self.qm, self.kvq, self.blk = ops, qmatmul, kvquant, block
+        mode = os.environ.get("EDGEKV_WEIGHTS", "map")
+        if mode not in ("map", "copy"):
+            from ..errors import EdgekvError
+            raise EdgekvError(f"EDGEKV_WEIGHTS must be map or copy, not {mode!r}")
+        self.copy_weights = mode == "copy"
 
     # -- threads ---------------------------------------------------------------------
     def step(self, tokens: int) -> "_Step":
@@ -106,13 +140,16 @@ class CPUBackend:
 
     # -- weights ---------------------------------------------------------------------
     def prepare(self, t: Tensor):
-        """The weight's memory-mapped blocks, checked once here (qmatmul.QWeight) so that the
-        per-token calls skip the checks."""
-        return self.qm.QWeight(t.raw, t.qtype)
+        """The weight's memory-mapped blocks (or their copy: EDGEKV_WEIGHTS=copy), checked once
+        here (qmatmul.QWeight) so that the per-token calls skip the checks."""
+        return self.qm.QWeight(self._raw(t), t.qtype)
+
+    def _raw(self, t: Tensor) -> np.ndarray:
+        return _resident(t.raw) if self.copy_weights else t.raw
 
     def fuse(self, ts: list[Tensor]):
         """Same-type matrices on one input (QKV, gate+up) go to qmatmul as one tuple: one
-        parallel region, outputs side by side, the memory-mapped weights never copied.
+        parallel region, outputs side by side, the weights not copied to fuse them.
         Mixed types (gemma3's Q5_0 q/k beside a Q8_0 v) are runs of same-type weights, written
         side by side into one output."""
         parts: list[list[Tensor]] = []
@@ -121,7 +158,7 @@ class CPUBackend:
                 parts[-1].append(t)
             else:
                 parts.append([t])
-        runs = tuple(self.qm.QWeight(tuple(t.raw for t in g), g[0].qtype) for g in parts)
+        runs = tuple(self.qm.QWeight(tuple(self._raw(t) for t in g), g[0].qtype) for g in parts)
         return runs[0] if len(runs) == 1 else runs
 
     def decoder_block(self, *, rope: Rope, **parts):
