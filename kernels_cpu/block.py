@@ -69,8 +69,6 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     k = qkv3[:, H : H + Hkv].copy()
     v = qkv3[:, H + Hkv :].copy()
     a = np.empty((1, H, hd), np.float32)
-    # numba's disk cache tracks this file only: edit it whenever _decode_core changes, or a stale
-    # compiled copy of the old one stays in use (its sink re-rotation leaves out the rope magnitude now)
     _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a, softcap)
     if res_scale != 1:
         a *= res_scale

@@ -128,3 +128,19 @@ def test_cold_cache_chat_shows_the_bar_and_ctrl_c_stops_it(tmp_path, verb):
     while _workers_alive(tmp_path):
         assert time.time() < deadline, "a warm-up worker outlived the chat"
         time.sleep(0.1)
+
+
+def test_stale_kernel_cache_is_dropped(tmp_path):
+    """A compiled kernel holds copies of the kernels it calls from other files, and numba checks
+    only its own file's stamp: the cache is dropped when any kernel source changes (its hash)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    imp = [sys.executable, "-c", "import edgekv.kernels_cpu"]
+    subprocess.run(imp, env=env, check=True)
+    (stamp,) = tmp_path.rglob("edgekv-kernels.sha256")
+    old = stamp.parent / "block._block_core-1.py311.nbi"
+    old.write_bytes(b"compiled before")
+    subprocess.run(imp, env=env, check=True)
+    assert old.exists()  # the sources did not change: the cache stays
+    stamp.write_text("hash of other sources")
+    subprocess.run(imp, env=env, check=True)
+    assert not old.exists() and stamp.read_text() != "hash of other sources"
