@@ -61,15 +61,23 @@ class Row:
         return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
 
 
-def peak_rss_bytes() -> int:
-    """The process's peak resident set since the last reset_peak_rss() (Linux: VmHWM), else since start."""
+def _proc_kib(path: str, key: str) -> int | None:
+    """A "key: N kB" line of a /proc file in bytes (Linux), else None."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set since the last reset_peak_rss() (Linux: VmHWM), else since start."""
+    hwm = _proc_kib("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 
@@ -85,14 +93,7 @@ def reset_peak_rss() -> None:
 
 def available_memory() -> int | None:
     """MemAvailable in bytes (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def in_turn(path, n_runtimes: int) -> bool:
