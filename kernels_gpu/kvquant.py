@@ -27,14 +27,14 @@ import numba
 import numpy as np
 from numba import cuda
 
+from edgekv.kvkinds import GROUP, KINDS as _SPEC, KV_KINDS as KINDS, hadamard_block
+
 from . import launch
 from .launch import launch as _launch
 from .ops import MAXT, _F0, _F1, _NEG, f2h, h2f, rint
 
-KINDS = ("f16", "int8", "int4")
-GROUP = 32
-_F16, _INT8, _INT4 = 0, 1, 2
-_KIND_ID = {"f16": _F16, "int8": _INT8, "int4": _INT4}
+_F16, _INT8, _INT4 = 0, 1, 2  # KINDS' order
+_KIND_ID = {name: i for i, name in enumerate(KINDS)}
 INT4_SCALES = ("absmax", "q4_0", "fit")  # kernels_cpu.kvquant's int4 step rules, same order
 _INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
 # The fit rule's step factors 0.75 + 0.025 ci, rounded as the CPU kernel rounds them (a product,
@@ -42,11 +42,6 @@ _INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
 _FIT_F = np.array([0.75 + 0.025 * ci for ci in range(15)], np.float64)
 MAX_HD = launch.MAX_HD
 ADIM = 8  # head dims one attention thread owns at most: hd <= ADIM * blockDim
-
-
-def hadamard_block(hd: int) -> int:
-    """B: the largest power of two dividing hd, at most 256 (as kernels_cpu.kvquant)."""
-    return min(hd & -hd, 256)
 
 
 # Products on the way to stored bytes are rounded as products, as on the CPU: numba.cuda
@@ -443,7 +438,7 @@ def _dummy(dtype, shape=(1, 1, 1)):
 def ring_arrays(kind: str, q_arr, scale_arr):
     """(h, b, s) kernel inputs for one of a ring's K or V: q_arr the device copy of the host
     ring array viewed as uint16 (f16) or uint8 (int8/int4), scale_arr its uint16 scales."""
-    if kind == "f16":
+    if not _SPEC[kind].quantized:
         return q_arr, _dummy(np.uint8), _dummy(np.uint16)
     return _dummy(np.uint16), q_arr, scale_arr
 
@@ -451,6 +446,10 @@ def ring_arrays(kind: str, q_arr, scale_arr):
 def _check_kind(kind: str, hd: int) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown KV cache kind {kind!r}; one of {KINDS}")
+    _check_hd(hd)
+
+
+def _check_hd(hd: int) -> None:
     if hd <= 0 or hd % GROUP or hd > MAX_HD:
         raise ValueError(f"head dim {hd} must be a positive multiple of {GROUP}, at most {MAX_HD}")
 
@@ -463,7 +462,7 @@ def _f32_3d(name, a):
 def hadamard_(x):
     """x = H x in place over the last axis of x (..., hd) float32 C-contiguous (see kernels_cpu)."""
     hd = x.shape[x.ndim - 1]
-    _check_kind("int8", hd)
+    _check_hd(hd)
     rows = x.size // hd
     if rows:
         _launch(_hadamard_kernel, *launch.elementwise(rows), x.reshape(rows, hd), hadamard_block(hd))
@@ -477,7 +476,7 @@ def kv_space(q, k, mu, kmul):
     The same operations as kernels_cpu.kvquant.kv_space, so the same bits. Returns new arrays."""
     _f32_3d("kv_space q", q)
     n, nh, hd = q.shape
-    _check_kind("int8", hd)
+    _check_hd(hd)
     nkv = mu.shape[0]
     keys = k is not None
     k = k if keys else _dummy(np.float32, (0, nkv, hd))

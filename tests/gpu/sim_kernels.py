@@ -14,8 +14,9 @@ from gguf.quants import dequantize
 from gpu_common import SIM, launch_sizes  # noqa: F401  (fixture)
 from edgekv.kernels_cpu import kvquant as ckv
 from edgekv.kernels_cpu import ops as cops
-from edgekv.kvcache import hadamard, quantize
-from edgekv.kvcache import dequantize as kv_dequantize
+from edgekv.backends.reference import dequantize_kv as kv_dequantize
+from edgekv.backends.reference import hadamard
+from edgekv.backends.reference import quantize_kv as quantize
 from edgekv.quants import BY_NAME
 from numba import cuda
 
