@@ -9,11 +9,10 @@ every row (one token, one head) is quantized in groups of 32 consecutive values:
         x ~ q * d, d = f16(max|x| / 127), q = round(x / d)
   int4: q (cap, Hkv, hd//2) uint8, scale (cap, Hkv, hd//32) float16      18 bytes / 32 values
         byte i holds value 2i (low nibble) and 2i+1 (high nibble) as q + 8, q in [-8, 7];
-        the step d by one of three rules: "fit" (the default) tries inverse steps
-        -8 / (f x_m), f = 0.75, 0.775, .., 1.1, x_m the value of largest magnitude, takes
-        each one's levels q with their least-squares step sum(xq) / sum(q^2), and keeps the
-        one of least squared error; "q4_0" is llama.cpp's d = f16(x_m / -8) (the f = 1
-        candidate, one more level than max|x| / 7); "absmax" d = f16(max|x| / 7)
+        the step d fitted: inverse steps -8 / (f x_m), f = 0.75, 0.775, .., 1.1, x_m the
+        value of largest magnitude, each give levels q with their least-squares step
+        sum(xq) / sum(q^2); the one of least squared error is kept (f = 1 is llama.cpp's
+        q4_0 step, d = x_m / -8)
 
 Quantization divides by the f16-rounded scale, the one a reader multiplies by, so the
 int8 error is at most d/2 per value. Keys of the int kinds are stored Hadamard-rotated
@@ -41,8 +40,6 @@ from edgekv.kvkinds import GROUP, KINDS as _SPEC, KV_KINDS as KINDS, hadamard_bl
 
 from .ops import _expf, _rope_token, _widen
 
-INT4_SCALES = ("absmax", "q4_0", "fit")
-_INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
 
 # Work (n_query * n_head * n_slot * head_dim) from which attention runs on the thread pool;
 # below it waking the threads costs more than the work. Read at each call: tests patch these
@@ -228,7 +225,7 @@ def _level4(x, inv):
 
 
 @njit(inline="always", **_EXACT)
-def _quant_row(kind, x, ring, j, g, rule):
+def _quant_row(kind, x, ring, j, g):
     """Quantize x (hd,) float32, in original order, into row (slot j, kv head g) of ring."""
     h, b, s = ring
     if kind == _F16:
@@ -253,42 +250,31 @@ def _quant_row(kind, x, ring, j, g, rule):
                 if abs(x[c]) > amax:
                     amax = abs(x[c])
                     smax = x[c]
-            if rule == _INT4_FIT:
-                # candidates inv = -8 / (f x_m), f = 0.75, 0.775, .., 1.1; each gives levels q
-                # and the least-squares d = sum(xq) / sum(q^2); keep the one of least squared
-                # error, i.e. largest sum(xq)^2 / sum(q^2). The sums are exact in float64
-                # (32 products of a float32 and a small integer), so any order gives the
-                # same bytes as the numpy quantizer.
-                best = -1.0
-                best_inv = 0.0
-                best_d = 0.0
-                for ci in range(15):
-                    cinv = -8.0 / (np.float64(smax) * (0.75 + 0.025 * ci)) if smax != _F0 else 0.0
-                    sxq = 0.0
-                    sqq = 0.0
-                    for c in range(32 * gi, 32 * gi + 32):
-                        qv = _level4(x[c], cinv)
-                        sxq += np.float64(x[c]) * qv
-                        sqq += qv * qv
-                    score = sxq * sxq / sqq if sqq > 0.0 else 0.0
-                    if score > best:
-                        best = score
-                        best_inv = cinv
-                        best_d = sxq / sqq if sqq > 0.0 else 0.0
-                hs = _narrow(np.float32(best_d))
-                s[j, g, gi] = hs
-                for i in range(16):
-                    lo = _level4(x[32 * gi + 2 * i], best_inv)
-                    hi = _level4(x[32 * gi + 2 * i + 1], best_inv)
-                    b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
-                continue
-            hs = _narrow(smax / np.float32(-8.0) if rule == _INT4_Q4_0 else amax / np.float32(7.0))
-            s[j, g, gi] = hs
-            d = _widen(hs)
-            inv = _F1 / d if d != _F0 else _F0
+            # candidates inv = -8 / (f x_m), f = 0.75, 0.775, .., 1.1; each gives levels q
+            # and the least-squares d = sum(xq) / sum(q^2); keep the one of least squared
+            # error, i.e. largest sum(xq)^2 / sum(q^2). The sums are exact in float64
+            # (32 products of a float32 and a small integer), so any order gives the
+            # same bytes as the numpy quantizer.
+            best = -1.0
+            best_inv = 0.0
+            best_d = 0.0
+            for ci in range(15):
+                cinv = -8.0 / (np.float64(smax) * (0.75 + 0.025 * ci)) if smax != _F0 else 0.0
+                sxq = 0.0
+                sqq = 0.0
+                for c in range(32 * gi, 32 * gi + 32):
+                    qv = _level4(x[c], cinv)
+                    sxq += np.float64(x[c]) * qv
+                    sqq += qv * qv
+                score = sxq * sxq / sqq if sqq > 0.0 else 0.0
+                if score > best:
+                    best = score
+                    best_inv = cinv
+                    best_d = sxq / sqq if sqq > 0.0 else 0.0
+            s[j, g, gi] = _narrow(np.float32(best_d))
             for i in range(16):
-                lo = min(max(np.rint(x[32 * gi + 2 * i] * inv), np.float32(-8.0)), np.float32(7.0))
-                hi = min(max(np.rint(x[32 * gi + 2 * i + 1] * inv), np.float32(-8.0)), np.float32(7.0))
+                lo = _level4(x[32 * gi + 2 * i], best_inv)
+                hi = _level4(x[32 * gi + 2 * i + 1], best_inv)
                 # the int8 cast keeps the low 8 bits: the byte's pattern, as uint8 would
                 b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
 
@@ -359,7 +345,7 @@ def kv_space(q: np.ndarray, k: np.ndarray, mu: np.ndarray, kmul: np.ndarray) -> 
 
 
 @njit(**_EXACT)
-def _store_core(kind, x, ring, slots, rotate, B, rule):
+def _store_core(kind, x, ring, slots, rotate, B):
     n, n_head_kv, hd = x.shape
     buf = np.empty(hd, np.float32)
     for t in range(n):
@@ -368,7 +354,7 @@ def _store_core(kind, x, ring, slots, rotate, B, rule):
                 buf[c] = x[t, g, c]
             if rotate:
                 _fwht(buf, B)
-            _quant_row(kind, buf, ring, slots[t], g, rule)
+            _quant_row(kind, buf, ring, slots[t], g)
 
 
 @njit(**_KERNEL)
@@ -450,20 +436,16 @@ def kv_store(
     slots: np.ndarray,
     rotate: bool,
     *,
-    int4_scale: str = "fit",
     check: bool = True,
 ) -> None:
     """Quantize x (n, Hkv, hd) float32 into ring slots (n,) int64 (distinct) of q_arr /
     scale_arr (see the module doc for layouts), Hadamard-rotating each row first when
     rotate (x itself is not changed). The f16 kind ignores scale_arr (pass anything, or
-    None) and rounds x to half. int4_scale picks the int4 scale rule (module doc): "fit"
-    (fitted step, the cache's), "q4_0" (llama.cpp's), "absmax". Writing the slots'
-    positions is the caller's job. check=False skips the checks (a backend's decode step,
+    None) and rounds x to half. Writing the slots' positions is the caller's job. check=False skips the checks (a backend's decode step,
     whose arrays the cache made: the checks cost more than storing one token)."""
     if not check:
         hd = x.shape[2]
-        _store_core(_KIND_ID[kind], x, _views(kind, q_arr, scale_arr), slots, bool(rotate), hadamard_block(hd),
-                    INT4_SCALES.index(int4_scale))
+        _store_core(_KIND_ID[kind], x, _views(kind, q_arr, scale_arr), slots, bool(rotate), hadamard_block(hd))
         return
     if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
         raise ValueError(f"kv_store: x {x.dtype}{x.shape} must be float32 (n, n_head_kv, hd), C-contiguous")
@@ -477,10 +459,8 @@ def kv_store(
         raise ValueError(f"kv_store: {slots.shape[0]} slots for {n} rows")
     if n > 1 and np.unique(slots).shape[0] != n:
         raise ValueError("kv_store: slots must be distinct (keep only each slot's last writer)")
-    if int4_scale not in INT4_SCALES:
-        raise ValueError(f"kv_store: int4_scale {int4_scale!r} must be one of {INT4_SCALES}")
     if n:
-        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd), INT4_SCALES.index(int4_scale))
+        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd))
 
 
 def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: np.ndarray, rotate: bool) -> np.ndarray:
@@ -929,7 +909,7 @@ def kv_attention(
 
 @njit(**_EXACT)
 def _decode_core(L, q, k, v, q_pos, at, rope, scale, par, out, softcap):
-    kind, K, V, pos, n_sink, span, R, mu, kmul, rotated, perm, B, rule = L
+    kind, K, V, pos, n_sink, span, R, mu, kmul, rotated, perm, B = L
     _, n_head, hd = q.shape
     n_head_kv = k.shape[1]
     grp = n_head // n_head_kv
@@ -973,8 +953,8 @@ def _decode_core(L, q, k, v, q_pos, at, rope, scale, par, out, softcap):
     slot = np.empty(1, np.int64)
     slot[0] = slot0
     unrotated = slot[0] < 0  # False, typed bool: kv_store's own _store_core, not one for a literal False
-    _store_core(kind, ko, K, slot, unrotated, B, rule)
-    _store_core(kind, vo, V, slot, unrotated, B, rule)
+    _store_core(kind, ko, K, slot, unrotated, B)
+    _store_core(kind, vo, V, slot, unrotated, B)
     # with exact recent slots the token is read exact from the fresh batch, hidden in the ring
     m = 1 if recent > 0 else 0
     fk = ko[:m].copy()
@@ -1007,15 +987,15 @@ def kv_decode_layer(kind: str, k_arr: np.ndarray, k_scale: np.ndarray, v_arr: np
     return (_KIND_ID[kind], _views(kind, k_arr, k_scale), _views(kind, v_arr, v_scale), pos, n_sink, span,
             (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent, first), mu, kmul,
             _SPEC[kind].quantized,
-            _perm(kind, hd), hadamard_block(hd), _INT4_FIT)
+            _perm(kind, hd), hadamard_block(hd))
 
 
 def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, at: tuple,
               rope: tuple, scale: float, out: np.ndarray, softcap: float = 0.0) -> np.ndarray:
     """One token through a layer's cache (kv_decode_layer) in one call, unchecked (a backend's
     decode step): what kv_space, kv_store of k and v, kv_attention (the token itself read exact
-    when the layer keeps recent copies) and the exact-row write do one after another; int4 with
-    the "fit" rule. q (1, H, hd), k, v (1, Hkv, hd) float32 after RoPE, q_pos (1,) int64.
+    when the layer keeps recent copies) and the exact-row write do one after another.
+    q (1, H, hd), k, v (1, Hkv, hd) float32 after RoPE, q_pos (1,) int64.
     at (slot, n_ring, exact_lo, exact_row): the cache's plan for the token (edgekv.kvcache.Plan),
     its position already recorded in the ring's pos. rope (inv_freq (n_rot/2,) float64, neox,
     shift): once the ring is full, sinks are scored by q turned back by shift positions

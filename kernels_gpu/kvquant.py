@@ -35,8 +35,6 @@ from .ops import MAXT, _F0, _F1, _NEG, f2h, h2f, rint
 
 _F16, _INT8, _INT4 = 0, 1, 2  # KINDS' order
 _KIND_ID = {name: i for i, name in enumerate(KINDS)}
-INT4_SCALES = ("absmax", "q4_0", "fit")  # kernels_cpu.kvquant's int4 step rules, same order
-_INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
 # The fit rule's step factors 0.75 + 0.025 ci, rounded as the CPU kernel rounds them (a product,
 # then a sum): computed on the device, they could become one fma, rounded once.
 _FIT_F = np.array([0.75 + 0.025 * ci for ci in range(15)], np.float64)
@@ -191,9 +189,9 @@ def _sink_bias_kernel(q, q_sink, mu, out):
 
 
 @cuda.jit
-def _store_kernel(kind, x, rows, slots, rotate, B, rule, h, b, s):
+def _store_kernel(kind, x, rows, slots, rotate, B, h, b, s):
     """Row (rows[i], g) of x (n, Hkv, hd) float32 -> ring row (slots[i], g), quantized exactly
-    like kernels_cpu.kvquant._quant_row (IEEE division and rounding; int4 by `rule`)."""
+    like kernels_cpu.kvquant._quant_row (IEEE division and rounding; int4's fitted step)."""
     tid = cuda.grid(1)
     nkv = x.shape[1]
     hd = x.shape[2]
@@ -220,7 +218,7 @@ def _store_kernel(kind, x, rows, slots, rotate, B, rule, h, b, s):
             if abs(buf[c]) > amax:
                 amax = abs(buf[c])
                 smax = buf[c]
-        if kind == _INT4 and rule == _INT4_FIT:
+        if kind == _INT4:
             # candidate inverse steps -8 / (f x_m); each gives levels q and the least-squares
             # step sum(xq) / sum(q^2); the largest sum(xq)^2 / sum(q^2) (least error) wins, the
             # first on ties. Summed in the CPU kernel's order; each float64 product (a float32
@@ -248,24 +246,13 @@ def _store_kernel(kind, x, rows, slots, rotate, B, rule, h, b, s):
                 hi = np.int32(min(max(_rint64(_mul64(np.float64(buf[32 * gi + 2 * i2 + 1]), best_inv)), -8.0), 7.0))
                 b[j, g, 16 * gi + i2] = (lo + 8) | ((hi + 8) << 4)
             continue
-        if kind == _INT8:
-            hs = f2h(amax / np.float32(127.0))
-        elif rule == _INT4_Q4_0:
-            hs = f2h(smax / np.float32(-8.0))
-        else:
-            hs = f2h(amax / np.float32(7.0))
+        hs = f2h(amax / np.float32(127.0))  # int8
         s[j, g, gi] = hs
         d = h2f(hs)
         inv = _F1 / d if d != _F0 else _F0
-        if kind == _INT8:
-            for c in range(32 * gi, 32 * gi + 32):
-                q = np.int32(min(max(rint(_mul32(buf[c], inv)), np.float32(-127.0)), np.float32(127.0)))
-                b[j, g, c] = q & 255
-        else:
-            for i2 in range(16):
-                lo = np.int32(min(max(rint(_mul32(buf[32 * gi + 2 * i2], inv)), np.float32(-8.0)), np.float32(7.0)))
-                hi = np.int32(min(max(rint(_mul32(buf[32 * gi + 2 * i2 + 1], inv)), np.float32(-8.0)), np.float32(7.0)))
-                b[j, g, 16 * gi + i2] = (lo + 8) | ((hi + 8) << 4)
+        for c in range(32 * gi, 32 * gi + 32):
+            q = np.int32(min(max(rint(_mul32(buf[c], inv)), np.float32(-127.0)), np.float32(127.0)))
+            b[j, g, c] = q & 255
 
 
 @cuda.jit
@@ -507,21 +494,17 @@ def sink_bias(q, q_sink, mu):
     return out
 
 
-def kv_store(kind: str, x, ring: tuple, rows, slots, rotate: bool, *, int4_scale: str = "fit") -> None:
+def kv_store(kind: str, x, ring: tuple, rows, slots, rotate: bool) -> None:
     """Quantize rows `rows` (m,) int64 of x (n, Hkv, hd) float32 into ring slots (m,) int64
-    (distinct) of ring = ring_arrays(...), Hadamard-rotating each row first when rotate.
-    int4_scale: the int4 step rule, as kernels_cpu.kvquant.kv_store's ("fit", the cache's;
-    "q4_0"; "absmax")."""
+    (distinct) of ring = ring_arrays(...), Hadamard-rotating each row first when rotate."""
     _f32_3d("kv_store", x)
     _check_kind(kind, x.shape[2])
     if rows.dtype != np.int64 or slots.dtype != np.int64 or rows.shape != slots.shape:
         raise ValueError("kv_store: rows and slots must be int64 arrays of one length")
-    if int4_scale not in INT4_SCALES:
-        raise ValueError(f"kv_store: int4_scale {int4_scale!r} must be one of {INT4_SCALES}")
     total = rows.shape[0] * x.shape[1]
     if total:
         _launch(_store_kernel, *launch.elementwise(total), _KIND_ID[kind], x, rows, slots,
-                bool(rotate), hadamard_block(x.shape[2]), INT4_SCALES.index(int4_scale), *ring)
+                bool(rotate), hadamard_block(x.shape[2]), *ring)
 
 
 def store_f16_rows(k, v, rows, dst, rk, rv) -> None:
