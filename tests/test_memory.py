@@ -277,7 +277,7 @@ def test_weights_copied_out_of_the_map_on_request(monkeypatch, tiny_models):
     llm = LLM(path, n_ctx=64, kv="f16")
     mm = np.frombuffer(llm.file._mmap, np.uint8)
     lo, hi = mm.ctypes.data, mm.ctypes.data + mm.size
-    for w in (llm.model.layers[0]["ffn_down"], llm.model.output):
+    for w in (llm.model.layers[0].ffn_down, llm.model.output):
         assert all(not lo <= a.ctypes.data < hi for a in w.ws if a.size)
     def steps(m):
         cache = m.new_cache()
