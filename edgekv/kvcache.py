@@ -5,7 +5,8 @@ Ring. A layer's ring holds `capacity` tokens. Until it is full, token i goes to 
 first `n_sink` slots keep the first tokens (attention sinks) and the oldest of the rest is
 overwritten. Each slot remembers its token's position (-1 = empty); attention masks by position,
 so slot order never matters. Slots from `fill` on are empty whatever they hold and never read;
-the arrays are `lazy_zeros`, so an empty cache of a huge n_ctx costs no memory yet. Keys are
+the arrays are `lazy_zeros`, so an empty cache of a huge n_ctx costs no memory yet. A sliding-
+window layer's ring is its window (at most n_ctx: `capacities`), without sinks. Keys are
 stored after RoPE at their absolute positions; once the ring wraps, the sinks are seen through a
 query turned back by `shift` positions, so they sit just before the window (StreamingLLM). Int
 kinds also keep exact f16 copies of the first `first` positions and of the last `recent`
