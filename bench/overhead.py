@@ -41,15 +41,19 @@ def in_kernels(llm, kv: str, n: int = 150) -> float:
     llm.forward([5], cache, 8)  # every layer's cache packed for the block kernel
     pos, ids = np.array([9]), np.array([5])
     e1, e2 = np.empty(0, np.float32), np.empty((0, 0), np.float32)
-    packs = [(m.blocks[i], cache[i].backend_state, cache[i].n_written) for i in range(len(m.blocks))]
+    plans = [cache[i].plan(pos) for i in range(len(m.blocks))]
+    for i, p in enumerate(plans):
+        cache[i].place(p)  # the token's position, as the backend's step records it
+    packs = [(m.blocks[i], cache[i].backend_state, p.one_token) for i, p in enumerate(plans)]
     out = np.empty((1, m.output.m), np.float32)
     t = time.perf_counter()
     for _ in range(n):  # the same slot rewritten each step: the context stays at 9 tokens
         x = np.empty((1, m.token_embd.k), np.float32)
         qmatmul._dequant_rows(m.token_embd.ws[0], m.token_embd.qtype, ids, m.token_embd.k, x)
-        for pack, layer, nw in packs:
-            W, N, dims, eps, scale, (freqs, neox, heads) = pack
-            block._block_core(x, pos, W, N, dims, eps, scale, (freqs, neox, heads, 0), layer, nw, (1 << 16, 256, be.threads))
+        for pack, layer, at in packs:
+            W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads, mag) = pack
+            block._block_core(x, pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, 0, mag), layer, at,
+                              (1 << 16, 256, be.threads), softcap)
         qmatmul._qmatvec(x, m.output.ws, m.output.qtype, out, 0, qmatmul.PRE_NORM, m.output_norm, m.cfg.norm_eps, e2, e1)
     return (time.perf_counter() - t) / n
 

@@ -39,7 +39,7 @@ def describe(path, n_ctx: int) -> list[tuple[str, str]]:
     """The facts `edgekv info` prints, as (label, value) rows."""
     from .gguf_file import GGUFFile
     from .kernels_cpu.qmatmul import kernel_paths
-    from .kvcache import KV_BYTES_PER_VALUE, RECENT, kv_bytes, recent_bytes
+    from .kvcache import KV_BYTES_PER_VALUE, RECENT, capacities, kv_bytes, recent_bytes
     from .models import model_module
     from .tokenizer import Tokenizer
 
@@ -77,7 +77,7 @@ def describe(path, n_ctx: int) -> list[tuple[str, str]]:
         rows.append(("sliding window", f"{sum(1 for w in windows if w)} of {cfg.n_layer} layers see the last {max(windows)} tokens"))
     per_tok = {k: kv_bytes(k, [1] * cfg.n_layer, cfg.n_head_kv, cfg.head_dim) for k in KV_BYTES_PER_VALUE}
     rows.append(("KV bytes / token", ", ".join(f"{k} {v:,}" for k, v in per_tok.items()) + " (all layers, K+V)"))
-    caps = [min(w, n_ctx) if w else n_ctx for w in windows]
+    caps = capacities(windows, n_ctx)
     full = [n_ctx] * cfg.n_layer
     for k in KV_BYTES_PER_VALUE:
         b = kv_bytes(k, caps, cfg.n_head_kv, cfg.head_dim)

@@ -16,7 +16,7 @@ from .backends import get_backend
 from .errors import ContextError, EdgekvError
 from .generate import Event
 from .gguf_file import GGUFFile
-from .kvcache import KV_KINDS, KVCache, cache_bytes
+from .kvcache import KV_KINDS, KVCache, cache_bytes, capacities
 
 UBATCH = 512  # prefill chunk: bounds activation memory, and the attention working set
 _NO_STEP = contextlib.nullcontext()
@@ -64,9 +64,7 @@ class LLM:
     def new_cache(self, kind: str | None = None, *, n_sink: int | None = None) -> KVCache:
         """An empty KV cache for this model: `kind` (default: the LLM's kv type), a ring of
         n_ctx tokens per global layer and of the window (at most n_ctx) per sliding-window one."""
-        windows = self.cfg.windows()
-        return KVCache(capacities(windows, self.n_ctx), self.cfg.n_head_kv, self.cfg.head_dim,
-                       n_sink=self.n_sink if n_sink is None else n_sink, windows=windows, kind=kind or self.kv_type)
+        return KVCache.for_model(self.cfg, self.n_ctx, kind or self.kv_type, self.n_sink if n_sink is None else n_sink)
 
     def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
         """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""
@@ -197,11 +195,6 @@ class LLM:
     def complete(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, **kw) -> str:
         """The whole continuation of `prompt` as one string (greedy by default)."""
         return "".join(e.text for e in self.generate(prompt, max_tokens=max_tokens, temperature=temperature, **kw))
-
-
-def capacities(windows: list[int], n_ctx: int) -> list[int]:
-    """Ring sizes per layer: n_ctx for a global layer, the window (at most n_ctx) for a sliding one."""
-    return [min(w, n_ctx) if w else n_ctx for w in windows]
 
 
 def check_context(llm: LLM, cfg) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -16,7 +17,6 @@ import numpy as np
 
 from .errors import EdgekvError, SessionFileError
 from .generate import Event, Sequence, Stats, generate
-from .kvcache import LAYER_ARRAYS
 from .sampling import Sampler, SamplingParams
 
 
@@ -152,14 +152,15 @@ class ChatSession:
                 n_ctx=self.llm.n_ctx, system=self.system, history=self.history, max_tokens=self.max_tokens,
                 template_vars=self.template_vars,
                 tokens=self.seq.tokens, cached_text=self._cached_text, sampling=params, sampler=self.sampler.state(),
-                layers=[dict(n_written=lk.n_written, n_sink=lk.n_sink) for lk in self.seq.cache.layers],
             )
             sync = getattr(self.llm.backend, "sync_to_host", None)  # a GPU backend holds the rings
             if sync is not None:
                 sync(self.seq.cache)
-            arrays = {}
+            arrays, header["layers"] = {}, []
             for i, lk in enumerate(self.seq.cache.layers):
-                arrays.update({f"{name}{i}": a for name, a in lk.state().items()})
+                meta, state = lk.state()
+                header["layers"].append(meta)
+                arrays.update({f"{name}{i}": a for name, a in state.items()})  # "k0", "pos12": name, then layer
             body = io.BytesIO()
             np.savez(body, **arrays)
             blob = json.dumps(header).encode()
@@ -228,13 +229,14 @@ class ChatSession:
             layers = sess.seq.cache.layers
             if len(h["layers"]) != len(layers):
                 raise ValueError("layer count")
-            for i, (lk, meta) in enumerate(zip(layers, h["layers"])):
-                n_written = int(meta["n_written"])
-                got = {name: arrays[f"{name}{i}"] for name in LAYER_ARRAYS}
-                if version == 2:  # every slot, filled or not
-                    got.update({name: got[name][: min(max(n_written, 0), lk.capacity)] for name in lk.slot_arrays})
+            per_layer = [{} for _ in layers]
+            for key in arrays.files:
+                m = _ARRAY_KEY.fullmatch(key)
+                if m is not None and int(m[2]) < len(layers):
+                    per_layer[int(m[2])][m[1]] = arrays[key]
+            for i, (lk, meta, got) in enumerate(zip(layers, h["layers"], per_layer)):
                 try:
-                    lk.load_state(got, n_written, len(tokens))
+                    lk.load_state(meta, got, len(tokens), every_slot=version == 2)  # 2: every slot, filled or not
                 except ValueError as e:
                     raise ValueError(f"layer {i}: {e}") from None
             sess.seq.tokens = tokens
@@ -247,6 +249,7 @@ class ChatSession:
         return sess
 
 
+_ARRAY_KEY = re.compile(r"([a-z_]+)(\d+)")  # a cache array's name in the file: its name, then its layer
 SESSION_MAGIC = b"EDGEKVS\x00"
 SESSION_FORMAT = "edgekv-session"
 # 2: int scales, exact recent slots, key offset and channel weights saved too

@@ -35,7 +35,7 @@ _NO_RUN = (_NO_W, _NO_W, _NO_W)
 
 
 @njit(cache=True, error_model="numpy")
-def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_written, par, softcap):
+def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, at, par, softcap):
     wqkv, tqkv, mqkv, wo, to, wgu, tgu, mgu, wdown, tdown = W
     attn_norm, qkv_bias, q_norm, k_norm, post_attn, ffn_norm, post_ffw = N
     H, Hkv, hd, act = dims
@@ -69,7 +69,7 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     k = qkv3[:, H : H + Hkv].copy()
     v = qkv3[:, H + Hkv :].copy()
     a = np.empty((1, H, hd), np.float32)
-    _decode_core(layer, q, k, v, q_pos, n_written, (inv_freq, neox, shift), scale, par, a, softcap)
+    _decode_core(layer, q, k, v, q_pos, at, (inv_freq, neox, shift), scale, par, a, softcap)
     if res_scale != 1:
         a *= res_scale
     o = np.empty((1, x.shape[1]), np.float32)
@@ -140,12 +140,12 @@ def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_at
         (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv, float(rope_mag))
 
 
-def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, n_written: int, shift: int) -> np.ndarray:
+def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, at: tuple, shift: int) -> np.ndarray:
     """x (1, d) float32, C-contiguous: the residual stream of one token at q_pos (1,) int64, updated
-    in place through the block `pack` (block_pack) over a layer's cache (kvquant.kv_decode_layer,
-    n_written tokens written; shift as kv_decode's). Unchecked: a backend's decode step. Returns x;
-    the caller advances the cache's write cursor."""
+    in place through the block `pack` (block_pack) over a layer's cache (kvquant.kv_decode_layer;
+    at and shift from the cache's plan, as kv_decode takes them). Unchecked: a backend's decode
+    step. Returns x; the caller's cache commits the plan."""
     W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads, mag) = pack
-    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, shift, mag), layer, n_written,
+    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, shift, mag), layer, at,
                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), softcap)
     return x

@@ -9,11 +9,10 @@ every row (one token, one head) is quantized in groups of 32 consecutive values:
         x ~ q * d, d = f16(max|x| / 127), q = round(x / d)
   int4: q (cap, Hkv, hd//2) uint8, scale (cap, Hkv, hd//32) float16      18 bytes / 32 values
         byte i holds value 2i (low nibble) and 2i+1 (high nibble) as q + 8, q in [-8, 7];
-        the step d by one of three rules: "fit" (the default) tries inverse steps
-        -8 / (f x_m), f = 0.75, 0.775, .., 1.1, x_m the value of largest magnitude, takes
-        each one's levels q with their least-squares step sum(xq) / sum(q^2), and keeps the
-        one of least squared error; "q4_0" is llama.cpp's d = f16(x_m / -8) (the f = 1
-        candidate, one more level than max|x| / 7); "absmax" d = f16(max|x| / 7)
+        the step d fitted: inverse steps -8 / (f x_m), f = 0.75, 0.775, .., 1.1, x_m the
+        value of largest magnitude, each give levels q with their least-squares step
+        sum(xq) / sum(q^2); the one of least squared error is kept (f = 1 is llama.cpp's
+        q4_0 step, d = x_m / -8)
 
 Quantization divides by the f16-rounded scale, the one a reader multiplies by, so the
 int8 error is at most d/2 per value. Keys of the int kinds are stored Hadamard-rotated
@@ -37,12 +36,10 @@ from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic
 
+from edgekv.kvkinds import GROUP, KINDS as _SPEC, KV_KINDS as KINDS, hadamard_block
+
 from .ops import _expf, _rope_token, _widen
 
-KINDS = ("f16", "int8", "int4")
-GROUP = 32  # values per f16 scale
-INT4_SCALES = ("absmax", "q4_0", "fit")
-_INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
 
 # Work (n_query * n_head * n_slot * head_dim) from which attention runs on the thread pool;
 # below it waking the threads costs more than the work. Read at each call: tests patch these
@@ -62,19 +59,13 @@ _KERNEL = dict(cache=True, error_model="numpy", fastmath=_FM)
 _EXACT = dict(cache=True, error_model="numpy")
 
 
-def hadamard_block(hd: int) -> int:
-    """B: the largest power of two dividing hd, at most 256."""
-    return min(hd & -hd, 256)
-
-
 def kv_arrays(kind: str, cap: int, n_head_kv: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Zeroed (q, scale) arrays for one of K or V of a ring of this kind. The f16 kind's
     scale is a (1, 1, 1) placeholder."""
     _check_kind(kind, head_dim)
-    if kind == "f16":
-        return np.zeros((cap, n_head_kv, head_dim), np.float16), np.zeros((1, 1, 1), np.float16)
-    q = np.zeros((cap, n_head_kv, head_dim if kind == "int8" else head_dim // 2), np.int8 if kind == "int8" else np.uint8)
-    return q, np.zeros((cap, n_head_kv, head_dim // GROUP), np.float16)
+    spec = _SPEC[kind]
+    q = np.zeros((cap, n_head_kv, spec.width(head_dim)), spec.dtype)
+    return q, np.zeros((cap, n_head_kv, head_dim // GROUP) if spec.quantized else (1, 1, 1), np.float16)
 
 
 # --- scalar helpers -------------------------------------------------------------------
@@ -118,8 +109,8 @@ def _fwht(x, B):
 # pairs), s their f16 scales as uint16; the arrays a kind does not use are empty. One
 # compiled core then serves every kind: compiling it takes seconds, a branch per row nothing.
 
-_F16, _INT8, _INT4 = 0, 1, 2
-_KIND_ID = {"f16": _F16, "int8": _INT8, "int4": _INT4}
+_F16, _INT8, _INT4 = 0, 1, 2  # KINDS' order
+_KIND_ID = {name: i for i, name in enumerate(KINDS)}
 
 
 # LLVM fully unrolls a 32-value loop and then cannot vectorize it (it cannot tell the
@@ -234,7 +225,7 @@ def _level4(x, inv):
 
 
 @njit(inline="always", **_EXACT)
-def _quant_row(kind, x, ring, j, g, rule):
+def _quant_row(kind, x, ring, j, g):
     """Quantize x (hd,) float32, in original order, into row (slot j, kv head g) of ring."""
     h, b, s = ring
     if kind == _F16:
@@ -259,42 +250,31 @@ def _quant_row(kind, x, ring, j, g, rule):
                 if abs(x[c]) > amax:
                     amax = abs(x[c])
                     smax = x[c]
-            if rule == _INT4_FIT:
-                # candidates inv = -8 / (f x_m), f = 0.75, 0.775, .., 1.1; each gives levels q
-                # and the least-squares d = sum(xq) / sum(q^2); keep the one of least squared
-                # error, i.e. largest sum(xq)^2 / sum(q^2). The sums are exact in float64
-                # (32 products of a float32 and a small integer), so any order gives the
-                # same bytes as the numpy quantizer.
-                best = -1.0
-                best_inv = 0.0
-                best_d = 0.0
-                for ci in range(15):
-                    cinv = -8.0 / (np.float64(smax) * (0.75 + 0.025 * ci)) if smax != _F0 else 0.0
-                    sxq = 0.0
-                    sqq = 0.0
-                    for c in range(32 * gi, 32 * gi + 32):
-                        qv = _level4(x[c], cinv)
-                        sxq += np.float64(x[c]) * qv
-                        sqq += qv * qv
-                    score = sxq * sxq / sqq if sqq > 0.0 else 0.0
-                    if score > best:
-                        best = score
-                        best_inv = cinv
-                        best_d = sxq / sqq if sqq > 0.0 else 0.0
-                hs = _narrow(np.float32(best_d))
-                s[j, g, gi] = hs
-                for i in range(16):
-                    lo = _level4(x[32 * gi + 2 * i], best_inv)
-                    hi = _level4(x[32 * gi + 2 * i + 1], best_inv)
-                    b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
-                continue
-            hs = _narrow(smax / np.float32(-8.0) if rule == _INT4_Q4_0 else amax / np.float32(7.0))
-            s[j, g, gi] = hs
-            d = _widen(hs)
-            inv = _F1 / d if d != _F0 else _F0
+            # candidates inv = -8 / (f x_m), f = 0.75, 0.775, .., 1.1; each gives levels q
+            # and the least-squares d = sum(xq) / sum(q^2); keep the one of least squared
+            # error, i.e. largest sum(xq)^2 / sum(q^2). The sums are exact in float64
+            # (32 products of a float32 and a small integer), so any order gives the
+            # same bytes as the numpy quantizer.
+            best = -1.0
+            best_inv = 0.0
+            best_d = 0.0
+            for ci in range(15):
+                cinv = -8.0 / (np.float64(smax) * (0.75 + 0.025 * ci)) if smax != _F0 else 0.0
+                sxq = 0.0
+                sqq = 0.0
+                for c in range(32 * gi, 32 * gi + 32):
+                    qv = _level4(x[c], cinv)
+                    sxq += np.float64(x[c]) * qv
+                    sqq += qv * qv
+                score = sxq * sxq / sqq if sqq > 0.0 else 0.0
+                if score > best:
+                    best = score
+                    best_inv = cinv
+                    best_d = sxq / sqq if sqq > 0.0 else 0.0
+            s[j, g, gi] = _narrow(np.float32(best_d))
             for i in range(16):
-                lo = min(max(np.rint(x[32 * gi + 2 * i] * inv), np.float32(-8.0)), np.float32(7.0))
-                hi = min(max(np.rint(x[32 * gi + 2 * i + 1] * inv), np.float32(-8.0)), np.float32(7.0))
+                lo = _level4(x[32 * gi + 2 * i], best_inv)
+                hi = _level4(x[32 * gi + 2 * i + 1], best_inv)
                 # the int8 cast keeps the low 8 bits: the byte's pattern, as uint8 would
                 b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
 
@@ -352,8 +332,8 @@ def _kv_space_core(q, k, mu, kmul, B, qo, ko):
 
 def kv_space(q: np.ndarray, k: np.ndarray, mu: np.ndarray, kmul: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(H(q / kmul), H((k - mu) * kmul)): queries q (n, H, hd) and keys k (n, Hkv, hd) float32,
-    C-contiguous, moved into an int ring's key space (edgekv.kvcache.LayerKV.query_space /
-    key_space; query head h uses kv head h // (H // Hkv)'s kmul), in one call: the decode step
+    C-contiguous, moved into an int ring's key space (edgekv.backends.reference's
+    query_space / key_space; query head h uses kv head h // (H // Hkv)'s kmul), in one call: the decode step
     would otherwise spend more on numpy temporaries than on the arithmetic."""
     n, n_head, hd = q.shape
     if (q.dtype != np.float32 or k.dtype != np.float32 or k.ndim != 3 or k.shape[0] != n or k.shape[2] != hd
@@ -365,7 +345,7 @@ def kv_space(q: np.ndarray, k: np.ndarray, mu: np.ndarray, kmul: np.ndarray) -> 
 
 
 @njit(**_EXACT)
-def _store_core(kind, x, ring, slots, rotate, B, rule):
+def _store_core(kind, x, ring, slots, rotate, B):
     n, n_head_kv, hd = x.shape
     buf = np.empty(hd, np.float32)
     for t in range(n):
@@ -374,7 +354,7 @@ def _store_core(kind, x, ring, slots, rotate, B, rule):
                 buf[c] = x[t, g, c]
             if rotate:
                 _fwht(buf, B)
-            _quant_row(kind, buf, ring, slots[t], g, rule)
+            _quant_row(kind, buf, ring, slots[t], g)
 
 
 @njit(**_KERNEL)
@@ -399,7 +379,7 @@ def _perm(kind: str, hd: int) -> np.ndarray:
     p = _perm_cache.get((kind, hd))
     if p is None:
         p = np.arange(hd, dtype=np.int64)
-        if kind == "int4":
+        if _SPEC[kind].per_element == 2:  # int4's nibble pairs
             i = np.arange(16)
             p = (np.arange(0, hd, GROUP)[:, None] + np.concatenate([2 * i, 2 * i + 1])[None, :]).reshape(-1)
         _perm_cache[(kind, hd)] = p
@@ -423,10 +403,11 @@ def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) 
     if qa.ndim != 3 or not qa.flags.c_contiguous:
         raise ValueError(f"{name}: ring array {qa.dtype}{qa.shape} must be 3-d (cap, n_head_kv, ...), C-contiguous")
     cap, n_head_kv = qa.shape[:2]
-    want = {"f16": (np.float16, hd), "int8": (np.int8, hd), "int4": (np.uint8, hd // 2)}[kind]
-    if qa.dtype != want[0] or qa.shape[2] != want[1]:
-        raise ValueError(f"{name}: {kind} ring array must be {np.dtype(want[0])} (cap, n_head_kv, {want[1]}), not {qa.dtype}{qa.shape}")
-    if kind != "f16" and (sa is None or sa.dtype != np.float16 or sa.shape != (cap, n_head_kv, hd // GROUP)
+    spec = _SPEC[kind]
+    if qa.dtype != spec.dtype or qa.shape[2] != spec.width(hd):
+        raise ValueError(f"{name}: {kind} ring array must be {np.dtype(spec.dtype)} (cap, n_head_kv, {spec.width(hd)}), "
+                         f"not {qa.dtype}{qa.shape}")
+    if spec.quantized and (sa is None or sa.dtype != np.float16 or sa.shape != (cap, n_head_kv, hd // GROUP)
                           or not sa.flags.c_contiguous):
         got = "None" if sa is None else f"{sa.dtype}{sa.shape}"
         raise ValueError(f"{name}: {kind} scales must be float16 ({cap}, {n_head_kv}, {hd // GROUP}), C-contiguous, not {got}")
@@ -435,7 +416,7 @@ def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) 
 
 def _views(kind: str, qa: np.ndarray, sa: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (h, b, s) views of a ring array the cores take: f16 bits, int bytes, f16 scale bits."""
-    if kind == "f16":
+    if not _SPEC[kind].quantized:
         return qa.view(np.uint16), _NO_B, _NO_H
     return _NO_H, qa.view(np.int8), sa.view(np.uint16)
 
@@ -455,20 +436,16 @@ def kv_store(
     slots: np.ndarray,
     rotate: bool,
     *,
-    int4_scale: str = "fit",
     check: bool = True,
 ) -> None:
     """Quantize x (n, Hkv, hd) float32 into ring slots (n,) int64 (distinct) of q_arr /
     scale_arr (see the module doc for layouts), Hadamard-rotating each row first when
     rotate (x itself is not changed). The f16 kind ignores scale_arr (pass anything, or
-    None) and rounds x to half. int4_scale picks the int4 scale rule (module doc): "fit"
-    (fitted step, the cache's), "q4_0" (llama.cpp's), "absmax". Writing the slots'
-    positions is the caller's job. check=False skips the checks (a backend's decode step,
+    None) and rounds x to half. Writing the slots' positions is the caller's job. check=False skips the checks (a backend's decode step,
     whose arrays the cache made: the checks cost more than storing one token)."""
     if not check:
         hd = x.shape[2]
-        _store_core(_KIND_ID[kind], x, _views(kind, q_arr, scale_arr), slots, bool(rotate), hadamard_block(hd),
-                    INT4_SCALES.index(int4_scale))
+        _store_core(_KIND_ID[kind], x, _views(kind, q_arr, scale_arr), slots, bool(rotate), hadamard_block(hd))
         return
     if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
         raise ValueError(f"kv_store: x {x.dtype}{x.shape} must be float32 (n, n_head_kv, hd), C-contiguous")
@@ -482,10 +459,8 @@ def kv_store(
         raise ValueError(f"kv_store: {slots.shape[0]} slots for {n} rows")
     if n > 1 and np.unique(slots).shape[0] != n:
         raise ValueError("kv_store: slots must be distinct (keep only each slot's last writer)")
-    if int4_scale not in INT4_SCALES:
-        raise ValueError(f"kv_store: int4_scale {int4_scale!r} must be one of {INT4_SCALES}")
     if n:
-        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd), INT4_SCALES.index(int4_scale))
+        _store_core(_KIND_ID[kind], x, ring, slots, bool(rotate), hadamard_block(hd))
 
 
 def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: np.ndarray, rotate: bool) -> np.ndarray:
@@ -493,7 +468,7 @@ def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: n
     rotate (the rows were stored with rotate=True). For tests and debugging."""
     if q_arr.ndim != 3:
         raise ValueError(f"kv_load: ring array {q_arr.dtype}{q_arr.shape} must be 3-d")
-    hd = q_arr.shape[2] * (2 if kind == "int4" else 1)
+    hd = q_arr.shape[2] * _SPEC[kind].per_element if kind in _SPEC else 0
     _check_kind(kind, hd)
     ring = _ring("kv_load", kind, q_arr, scale_arr, hd)
     _check_slots("kv_load", slots, q_arr.shape[0])
@@ -933,21 +908,15 @@ def kv_attention(
 
 
 @njit(**_EXACT)
-def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out, softcap):
-    kind, K, V, pos, n_sink, span, R, mu, kmul, rotated, perm, B, rule = L
+def _decode_core(L, q, k, v, q_pos, at, rope, scale, par, out, softcap):
+    kind, K, V, pos, n_sink, span, R, mu, kmul, rotated, perm, B = L
     _, n_head, hd = q.shape
     n_head_kv = k.shape[1]
     grp = n_head // n_head_kv
     rk, rv, rpos, recent, first = R
     inv_freq, neox, shift = rope
     p = q_pos[0]
-    # the oldest position in the recent slots, read before this token lands there (LayerKV.exact_lo)
-    e0 = p
-    live = False
-    for j in range(first, rpos.shape[0]):
-        if rpos[j] >= 0 and (not live or rpos[j] < e0):
-            e0 = rpos[j]
-            live = True
+    slot0, n_ring, e0, row = at  # where the cache's plan puts the token (edgekv.kvcache.Plan)
     # copies, not slice assignments (`qo[:] = q`): each compiles numba's shape-mismatch message (~2 s cold)
     vo = v.copy()
     if rotated:  # q and k in the ring's key space
@@ -957,8 +926,8 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out, softcap):
     else:
         qo = q.copy()
         ko = k.copy()
-    # sinks, once the ring is full, are scored by q turned back by `shift` positions
-    # (LayerKV.sink_shift), with their share of the key offset added back (LayerKV.sink_bias)
+    # sinks, once the ring is full, are scored by q turned back by `shift` positions, with
+    # their share of the key offset added back (LayerKV.sink_bias)
     sb = np.zeros((1 if shift and rotated else 0, n_head), np.float32)  # (1, H) or none
     qs = qo
     if shift:
@@ -980,14 +949,12 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out, softcap):
                 _fwht(qs[0, h], B)
         else:
             qs = qr
-    # store first: the slot a token takes held the one that just left its span
-    cap = pos.shape[0]
+    # stored first (a token always can be); the cache has recorded its position
     slot = np.empty(1, np.int64)
-    slot[0] = n_written if n_written < cap else n_sink + (n_written - n_sink) % max(cap - n_sink, 1)
+    slot[0] = slot0
     unrotated = slot[0] < 0  # False, typed bool: kv_store's own _store_core, not one for a literal False
-    _store_core(kind, ko, K, slot, unrotated, B, rule)
-    _store_core(kind, vo, V, slot, unrotated, B, rule)
-    pos[slot[0]] = p
+    _store_core(kind, ko, K, slot, unrotated, B)
+    _store_core(kind, vo, V, slot, unrotated, B)
     # with exact recent slots the token is read exact from the fresh batch, hidden in the ring
     m = 1 if recent > 0 else 0
     fk = ko[:m].copy()
@@ -997,17 +964,15 @@ def _decode_core(L, q, k, v, q_pos, n_written, rope, scale, par, out, softcap):
         fpos[0] = p
     fresh_all = m < 0  # False: the token is in the ring already
     v_rotated = m < 0  # False: values are stored as they are
-    # the filled slots only (LayerKV.fill): slots past them are empty and hold no -1s
-    _attn_core(kind, qo, qs, q_pos, K, V, pos[: min(n_written + 1, cap)], n_sink, fk, fv, fpos, scale, span, perm,
+    # the filled slots only: slots past them are empty and hold no -1s
+    _attn_core(kind, qo, qs, q_pos, K, V, pos[:n_ring], n_sink, fk, fv, fpos, scale, span, perm,
                v_rotated, B,
                (rk, rv, rpos, recent, e0, fresh_all, sb, first, softcap), q.shape[0], par[0], par[1], par[2], out)
-    if m:  # LayerKV.write_recent
-        row = p if p < first else first + p % recent
+    if m:  # the exact copy, in the plan's row (the cache records its position)
         for g in range(n_head_kv):
             for c in range(hd):
                 rk[row, g, c] = _narrow(ko[0, g, c])
                 rv[row, g, c] = _narrow(vo[0, g, c])
-        rpos[row] = p
 
 
 def kv_decode_layer(kind: str, k_arr: np.ndarray, k_scale: np.ndarray, v_arr: np.ndarray, v_scale: np.ndarray,
@@ -1020,20 +985,22 @@ def kv_decode_layer(kind: str, k_arr: np.ndarray, k_scale: np.ndarray, v_arr: np
     are seen by it."""
     hd = mu.shape[1]
     return (_KIND_ID[kind], _views(kind, k_arr, k_scale), _views(kind, v_arr, v_scale), pos, n_sink, span,
-            (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent, first), mu, kmul, kind != "f16",
-            _perm(kind, hd), hadamard_block(hd), _INT4_FIT)
+            (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent, first), mu, kmul,
+            _SPEC[kind].quantized,
+            _perm(kind, hd), hadamard_block(hd))
 
 
-def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, n_written: int,
+def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, at: tuple,
               rope: tuple, scale: float, out: np.ndarray, softcap: float = 0.0) -> np.ndarray:
     """One token through a layer's cache (kv_decode_layer) in one call, unchecked (a backend's
-    decode step): what kv_space, kv_store of k and v at the ring's next slot (n_written,
-    wrapping past the sinks), kv_attention (the token itself read exact when the layer keeps
-    recent copies) and the recent-slot write do one after another; int4 with the "fit" rule.
-    q (1, H, hd), k, v (1, Hkv, hd) float32 after RoPE, q_pos (1,) int64. rope (inv_freq
-    (n_rot/2,) float64, neox, shift): once the ring is full, sinks are scored by q turned back
-    by shift positions (kv_attention's q_sink and sink_bias). softcap: kv_attention's. Writes
-    out (1, H, hd) and returns it; the caller advances its write cursor."""
-    _decode_core(layer, q, k, v, q_pos, n_written, rope, np.float32(scale),
+    decode step): what kv_space, kv_store of k and v, kv_attention (the token itself read exact
+    when the layer keeps recent copies) and the exact-row write do one after another.
+    q (1, H, hd), k, v (1, Hkv, hd) float32 after RoPE, q_pos (1,) int64.
+    at (slot, n_ring, exact_lo, exact_row): the cache's plan for the token (edgekv.kvcache.Plan),
+    its position already recorded in the ring's pos. rope (inv_freq (n_rot/2,) float64, neox,
+    shift): once the ring is full, sinks are scored by q turned back by shift positions
+    (kv_attention's q_sink and sink_bias). softcap: kv_attention's. Writes out (1, H, hd) and
+    returns it; the caller's cache records the exact row and advances its cursor."""
+    _decode_core(layer, q, k, v, q_pos, at, rope, np.float32(scale),
                  (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), out, np.float32(softcap))
     return out

@@ -27,26 +27,19 @@ import numba
 import numpy as np
 from numba import cuda
 
+from edgekv.kvkinds import GROUP, KINDS as _SPEC, KV_KINDS as KINDS, hadamard_block
+
 from . import launch
 from .launch import launch as _launch
 from .ops import MAXT, _F0, _F1, _NEG, f2h, h2f, rint
 
-KINDS = ("f16", "int8", "int4")
-GROUP = 32
-_F16, _INT8, _INT4 = 0, 1, 2
-_KIND_ID = {"f16": _F16, "int8": _INT8, "int4": _INT4}
-INT4_SCALES = ("absmax", "q4_0", "fit")  # kernels_cpu.kvquant's int4 step rules, same order
-_INT4_ABSMAX, _INT4_Q4_0, _INT4_FIT = 0, 1, 2
+_F16, _INT8, _INT4 = 0, 1, 2  # KINDS' order
+_KIND_ID = {name: i for i, name in enumerate(KINDS)}
 # The fit rule's step factors 0.75 + 0.025 ci, rounded as the CPU kernel rounds them (a product,
 # then a sum): computed on the device, they could become one fma, rounded once.
 _FIT_F = np.array([0.75 + 0.025 * ci for ci in range(15)], np.float64)
 MAX_HD = launch.MAX_HD
 ADIM = 8  # head dims one attention thread owns at most: hd <= ADIM * blockDim
-
-
-def hadamard_block(hd: int) -> int:
-    """B: the largest power of two dividing hd, at most 256 (as kernels_cpu.kvquant)."""
-    return min(hd & -hd, 256)
 
 
 # Products on the way to stored bytes are rounded as products, as on the CPU: numba.cuda
@@ -196,9 +189,9 @@ def _sink_bias_kernel(q, q_sink, mu, out):
 
 
 @cuda.jit
-def _store_kernel(kind, x, rows, slots, rotate, B, rule, h, b, s):
+def _store_kernel(kind, x, rows, slots, rotate, B, h, b, s):
     """Row (rows[i], g) of x (n, Hkv, hd) float32 -> ring row (slots[i], g), quantized exactly
-    like kernels_cpu.kvquant._quant_row (IEEE division and rounding; int4 by `rule`)."""
+    like kernels_cpu.kvquant._quant_row (IEEE division and rounding; int4's fitted step)."""
     tid = cuda.grid(1)
     nkv = x.shape[1]
     hd = x.shape[2]
@@ -225,7 +218,7 @@ def _store_kernel(kind, x, rows, slots, rotate, B, rule, h, b, s):
             if abs(buf[c]) > amax:
                 amax = abs(buf[c])
                 smax = buf[c]
-        if kind == _INT4 and rule == _INT4_FIT:
+        if kind == _INT4:
             # candidate inverse steps -8 / (f x_m); each gives levels q and the least-squares
             # step sum(xq) / sum(q^2); the largest sum(xq)^2 / sum(q^2) (least error) wins, the
             # first on ties. Summed in the CPU kernel's order; each float64 product (a float32
@@ -253,24 +246,13 @@ def _store_kernel(kind, x, rows, slots, rotate, B, rule, h, b, s):
                 hi = np.int32(min(max(_rint64(_mul64(np.float64(buf[32 * gi + 2 * i2 + 1]), best_inv)), -8.0), 7.0))
                 b[j, g, 16 * gi + i2] = (lo + 8) | ((hi + 8) << 4)
             continue
-        if kind == _INT8:
-            hs = f2h(amax / np.float32(127.0))
-        elif rule == _INT4_Q4_0:
-            hs = f2h(smax / np.float32(-8.0))
-        else:
-            hs = f2h(amax / np.float32(7.0))
+        hs = f2h(amax / np.float32(127.0))  # int8
         s[j, g, gi] = hs
         d = h2f(hs)
         inv = _F1 / d if d != _F0 else _F0
-        if kind == _INT8:
-            for c in range(32 * gi, 32 * gi + 32):
-                q = np.int32(min(max(rint(_mul32(buf[c], inv)), np.float32(-127.0)), np.float32(127.0)))
-                b[j, g, c] = q & 255
-        else:
-            for i2 in range(16):
-                lo = np.int32(min(max(rint(_mul32(buf[32 * gi + 2 * i2], inv)), np.float32(-8.0)), np.float32(7.0)))
-                hi = np.int32(min(max(rint(_mul32(buf[32 * gi + 2 * i2 + 1], inv)), np.float32(-8.0)), np.float32(7.0)))
-                b[j, g, 16 * gi + i2] = (lo + 8) | ((hi + 8) << 4)
+        for c in range(32 * gi, 32 * gi + 32):
+            q = np.int32(min(max(rint(_mul32(buf[c], inv)), np.float32(-127.0)), np.float32(127.0)))
+            b[j, g, c] = q & 255
 
 
 @cuda.jit
@@ -443,7 +425,7 @@ def _dummy(dtype, shape=(1, 1, 1)):
 def ring_arrays(kind: str, q_arr, scale_arr):
     """(h, b, s) kernel inputs for one of a ring's K or V: q_arr the device copy of the host
     ring array viewed as uint16 (f16) or uint8 (int8/int4), scale_arr its uint16 scales."""
-    if kind == "f16":
+    if not _SPEC[kind].quantized:
         return q_arr, _dummy(np.uint8), _dummy(np.uint16)
     return _dummy(np.uint16), q_arr, scale_arr
 
@@ -451,6 +433,10 @@ def ring_arrays(kind: str, q_arr, scale_arr):
 def _check_kind(kind: str, hd: int) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown KV cache kind {kind!r}; one of {KINDS}")
+    _check_hd(hd)
+
+
+def _check_hd(hd: int) -> None:
     if hd <= 0 or hd % GROUP or hd > MAX_HD:
         raise ValueError(f"head dim {hd} must be a positive multiple of {GROUP}, at most {MAX_HD}")
 
@@ -463,7 +449,7 @@ def _f32_3d(name, a):
 def hadamard_(x):
     """x = H x in place over the last axis of x (..., hd) float32 C-contiguous (see kernels_cpu)."""
     hd = x.shape[x.ndim - 1]
-    _check_kind("int8", hd)
+    _check_hd(hd)
     rows = x.size // hd
     if rows:
         _launch(_hadamard_kernel, *launch.elementwise(rows), x.reshape(rows, hd), hadamard_block(hd))
@@ -477,7 +463,7 @@ def kv_space(q, k, mu, kmul):
     The same operations as kernels_cpu.kvquant.kv_space, so the same bits. Returns new arrays."""
     _f32_3d("kv_space q", q)
     n, nh, hd = q.shape
-    _check_kind("int8", hd)
+    _check_hd(hd)
     nkv = mu.shape[0]
     keys = k is not None
     k = k if keys else _dummy(np.float32, (0, nkv, hd))
@@ -508,21 +494,17 @@ def sink_bias(q, q_sink, mu):
     return out
 
 
-def kv_store(kind: str, x, ring: tuple, rows, slots, rotate: bool, *, int4_scale: str = "fit") -> None:
+def kv_store(kind: str, x, ring: tuple, rows, slots, rotate: bool) -> None:
     """Quantize rows `rows` (m,) int64 of x (n, Hkv, hd) float32 into ring slots (m,) int64
-    (distinct) of ring = ring_arrays(...), Hadamard-rotating each row first when rotate.
-    int4_scale: the int4 step rule, as kernels_cpu.kvquant.kv_store's ("fit", the cache's;
-    "q4_0"; "absmax")."""
+    (distinct) of ring = ring_arrays(...), Hadamard-rotating each row first when rotate."""
     _f32_3d("kv_store", x)
     _check_kind(kind, x.shape[2])
     if rows.dtype != np.int64 or slots.dtype != np.int64 or rows.shape != slots.shape:
         raise ValueError("kv_store: rows and slots must be int64 arrays of one length")
-    if int4_scale not in INT4_SCALES:
-        raise ValueError(f"kv_store: int4_scale {int4_scale!r} must be one of {INT4_SCALES}")
     total = rows.shape[0] * x.shape[1]
     if total:
         _launch(_store_kernel, *launch.elementwise(total), _KIND_ID[kind], x, rows, slots,
-                bool(rotate), hadamard_block(x.shape[2]), INT4_SCALES.index(int4_scale), *ring)
+                bool(rotate), hadamard_block(x.shape[2]), *ring)
 
 
 def store_f16_rows(k, v, rows, dst, rk, rv) -> None:

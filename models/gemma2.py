@@ -14,7 +14,7 @@ from .. import rope as ropes
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..validate import validate_model
-from .llama import check_shapes
+from .llama import Block, check_shapes
 
 SWA_PATTERN = 2  # layers 0, 2, 4, ... slide; 1, 3, 5, ... are global (llama.cpp's set_swa_pattern(2))
 
@@ -96,6 +96,13 @@ class Config:
         return [self.sliding_window if i % SWA_PATTERN < SWA_PATTERN - 1 else 0 for i in range(self.n_layer)]
 
 
+@dataclass(frozen=True)
+class Gemma2Block(Block):
+    window: int  # sliding window (0 = global)
+    post_attention_norm: np.ndarray  # (n_embd,), on the attention output before the residual add
+    post_ffw_norm: np.ndarray  # (n_embd,), on the FFN output before the residual add
+
+
 class Model:
     def __init__(self, f: GGUFFile, be):
         self.cfg = cfg = Config.from_gguf(f)
@@ -107,7 +114,7 @@ class Model:
         self.layers = []
         for i, window in enumerate(cfg.windows()):
             p = f"blk.{i}."
-            self.layers.append(dict(
+            self.layers.append(Gemma2Block(
                 window=window,
                 attn_norm=norm(p + "attn_norm.weight"),
                 attn_qkv=be.fuse([f.tensor(p + f"attn_{x}.weight") for x in "qkv"]),
@@ -120,9 +127,9 @@ class Model:
             ))
         # the same block as one fused call for decode, where the backend has one (see forward)
         self.blocks = [be.decoder_block(
-            attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=None, q_norm=None, k_norm=None,
-            attn_output=L["attn_output"], post_attn_norm=L["post_attention_norm"], ffn_norm=L["ffn_norm"],
-            gate_up=L["ffn_gate_up"], act="gelu", ffn_down=L["ffn_down"], post_ffw_norm=L["post_ffw_norm"],
+            attn_norm=L.attn_norm, qkv=L.attn_qkv, qkv_bias=None, q_norm=None, k_norm=None,
+            attn_output=L.attn_output, post_attn_norm=L.post_attention_norm, ffn_norm=L.ffn_norm,
+            gate_up=L.ffn_gate_up, act="gelu", ffn_down=L.ffn_down, post_ffw_norm=L.post_ffw_norm,
             n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, eps=cfg.norm_eps,
             scale=cfg.attn_scale, rope=cfg.rope, softcap=cfg.attn_softcap)
             for L in self.layers]
@@ -137,13 +144,13 @@ class Model:
         for i, L in enumerate(self.layers):
             if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
                 continue  # decode: the lines below in one call
-            qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
+            qkv = be.matmul(x, L.attn_qkv, pre="norm", pre_w=L.attn_norm, eps=eps)  # (n, qd + 2 kvd)
             qkv = be.rope(qkv.reshape(n, H + 2 * Hkv, hd), pos, rope, heads=H + Hkv)  # heads: q, k, v
             a = be.attention(qkv[:, :H], pos, cache[i], qkv[:, H : H + Hkv], qkv[:, H + Hkv :], cfg.attn_scale, rope,
                              cfg.attn_softcap)  # (n, H, hd)
-            x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x, post_w=L["post_attention_norm"], eps=eps)
-            gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
-            x = be.matmul(gu, L["ffn_down"], pre="gelu", residual=x, post_w=L["post_ffw_norm"], eps=eps)
+            x = be.matmul(a.reshape(n, qd), L.attn_output, residual=x, post_w=L.post_attention_norm, eps=eps)
+            gu = be.matmul(x, L.ffn_gate_up, pre="norm", pre_w=L.ffn_norm, eps=eps)  # (n, 2 n_ff)
+            x = be.matmul(gu, L.ffn_down, pre="gelu", residual=x, post_w=L.post_ffw_norm, eps=eps)
         if last_only:
             x = x[-1:]
         logits = be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)

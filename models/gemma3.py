@@ -13,7 +13,7 @@ from .. import rope as ropes
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..validate import validate_model
-from .llama import check_shapes
+from .llama import Block, check_shapes
 
 SWA_PATTERN = 6  # every 6th layer is global (llama.cpp hard-codes this for gemma3)
 ROPE_BASE_LOCAL = 10000.0  # RoPE base of the sliding-window layers
@@ -95,6 +95,16 @@ class Config:
         return [self.sliding_window if i % SWA_PATTERN < SWA_PATTERN - 1 else 0 for i in range(self.n_layer)]
 
 
+@dataclass(frozen=True)
+class Gemma3Block(Block):
+    window: int  # sliding window (0 = global)
+    rope: object  # edgekv.rope.Rope: the local layers' own, or the global one
+    attn_q_norm: np.ndarray  # (head_dim,), on every query head
+    attn_k_norm: np.ndarray  # (head_dim,), on every key head
+    post_attention_norm: np.ndarray  # (n_embd,), on the attention output before the residual add
+    post_ffw_norm: np.ndarray  # (n_embd,), on the FFN output before the residual add
+
+
 class Model:
     def __init__(self, f: GGUFFile, be):
         self.cfg = cfg = Config.from_gguf(f)
@@ -107,7 +117,7 @@ class Model:
         self.layers = []
         for i, window in enumerate(cfg.windows()):
             p = f"blk.{i}."
-            self.layers.append(dict(
+            self.layers.append(Gemma3Block(
                 window=window,
                 rope=local if window else cfg.rope,  # the global one carries YaRN's q/k magnitude
                 attn_norm=norm(p + "attn_norm.weight"),
@@ -123,11 +133,11 @@ class Model:
             ))
         # the same block as one fused call for decode, where the backend has one (see forward)
         self.blocks = [be.decoder_block(
-            attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=None, q_norm=L["attn_q_norm"],
-            k_norm=L["attn_k_norm"], attn_output=L["attn_output"], post_attn_norm=L["post_attention_norm"],
-            ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"], act="gelu", ffn_down=L["ffn_down"],
-            post_ffw_norm=L["post_ffw_norm"], n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
-            eps=cfg.norm_eps, scale=cfg.attn_scale, rope=L["rope"])
+            attn_norm=L.attn_norm, qkv=L.attn_qkv, qkv_bias=None, q_norm=L.attn_q_norm,
+            k_norm=L.attn_k_norm, attn_output=L.attn_output, post_attn_norm=L.post_attention_norm,
+            ffn_norm=L.ffn_norm, gate_up=L.ffn_gate_up, act="gelu", ffn_down=L.ffn_down,
+            post_ffw_norm=L.post_ffw_norm, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
+            eps=cfg.norm_eps, scale=cfg.attn_scale, rope=L.rope)
             for L in self.layers]
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
@@ -140,14 +150,14 @@ class Model:
         for i, L in enumerate(self.layers):
             if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
                 continue  # decode: the lines below in one call
-            qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
+            qkv = be.matmul(x, L.attn_qkv, pre="norm", pre_w=L.attn_norm, eps=eps)  # (n, qd + 2 kvd)
             qkv = qkv.reshape(n, H + 2 * Hkv, hd)  # heads: q, k, v
-            q = be.rope(be.rmsnorm(qkv[:, :H], L["attn_q_norm"], eps), pos, L["rope"])
-            k = be.rope(be.rmsnorm(qkv[:, H : H + Hkv], L["attn_k_norm"], eps), pos, L["rope"])
-            a = be.attention(q, pos, cache[i], k, qkv[:, H + Hkv :], cfg.attn_scale, L["rope"])  # (n, H, hd)
-            x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x, post_w=L["post_attention_norm"], eps=eps)
-            gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
-            x = be.matmul(gu, L["ffn_down"], pre="gelu", residual=x, post_w=L["post_ffw_norm"], eps=eps)
+            q = be.rope(be.rmsnorm(qkv[:, :H], L.attn_q_norm, eps), pos, L.rope)
+            k = be.rope(be.rmsnorm(qkv[:, H : H + Hkv], L.attn_k_norm, eps), pos, L.rope)
+            a = be.attention(q, pos, cache[i], k, qkv[:, H + Hkv :], cfg.attn_scale, L.rope)  # (n, H, hd)
+            x = be.matmul(a.reshape(n, qd), L.attn_output, residual=x, post_w=L.post_attention_norm, eps=eps)
+            gu = be.matmul(x, L.ffn_gate_up, pre="norm", pre_w=L.ffn_norm, eps=eps)  # (n, 2 n_ff)
+            x = be.matmul(gu, L.ffn_down, pre="gelu", residual=x, post_w=L.post_ffw_norm, eps=eps)
         if last_only:
             x = x[-1:]
         logits = be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)

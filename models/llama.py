@@ -124,6 +124,23 @@ def check_shapes(f: GGUFFile, expect: dict) -> None:
             raise ModelFileError(f"bias {name} must be F32 or F16")
 
 
+@dataclass(frozen=True)
+class Block:
+    """One decoder block's weights by their GGUF names (blk.{i}.<name>.weight): float32 norm
+    vectors and backend handles (be.prepare / be.fuse); the fused ones join several tensors."""
+    attn_norm: np.ndarray  # (n_embd,)
+    attn_qkv: object  # attn_q, attn_k, attn_v: (n_head + 2 n_head_kv) * head_dim outputs
+    attn_output: object  # n_embd outputs
+    ffn_norm: np.ndarray  # (n_embd,)
+    ffn_gate_up: object  # ffn_gate, ffn_up: 2 n_ff outputs
+    ffn_down: object  # n_embd outputs
+
+
+@dataclass(frozen=True)
+class LlamaBlock(Block):
+    qkv_bias: np.ndarray | None  # qwen2: attn_q, attn_k, attn_v biases side by side; else None
+
+
 class Model:
     def __init__(self, f: GGUFFile, be):
         self.cfg = cfg = Config.from_gguf(f)
@@ -139,7 +156,7 @@ class Model:
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             bias = [opt(p + f"attn_{x}.bias") for x in "qkv"]
-            self.layers.append(dict(
+            self.layers.append(LlamaBlock(
                 attn_norm=norm(p + "attn_norm.weight"),
                 attn_qkv=be.fuse([f.tensor(p + f"attn_{x}.weight") for x in "qkv"]),
                 qkv_bias=np.concatenate(bias) if all(b is not None for b in bias) else None,
@@ -150,9 +167,9 @@ class Model:
             ))
         # the same block as one fused call for decode, where the backend has one (see forward)
         self.blocks = [be.decoder_block(
-            attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=L["qkv_bias"], q_norm=None, k_norm=None,
-            attn_output=L["attn_output"], post_attn_norm=None, ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"],
-            act="silu", ffn_down=L["ffn_down"], post_ffw_norm=None, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
+            attn_norm=L.attn_norm, qkv=L.attn_qkv, qkv_bias=L.qkv_bias, q_norm=None, k_norm=None,
+            attn_output=L.attn_output, post_attn_norm=None, ffn_norm=L.ffn_norm, gate_up=L.ffn_gate_up,
+            act="silu", ffn_down=L.ffn_down, post_ffw_norm=None, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
             head_dim=cfg.head_dim, eps=cfg.norm_eps, scale=self.attn_scale, rope=cfg.rope,
             residual_scale=cfg.residual_scale) for L in self.layers]
 
@@ -167,22 +184,22 @@ class Model:
         for i, L in enumerate(self.layers):
             if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
                 continue  # decode: the lines below in one call
-            qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
-            if L["qkv_bias"] is not None:
-                qkv += L["qkv_bias"]
+            qkv = be.matmul(x, L.attn_qkv, pre="norm", pre_w=L.attn_norm, eps=eps)  # (n, qd + 2 kvd)
+            if L.qkv_bias is not None:
+                qkv += L.qkv_bias
             qkv = be.rope(qkv.reshape(n, H + 2 * Hkv, hd), pos, rope, heads=H + Hkv)  # heads: q, k, v
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             a = be.attention(q, pos, cache[i], k, v, self.attn_scale, rope)  # (n, H, hd)
             if rs != 1.0:  # rs * (a @ Wo.T) as (rs * a) @ Wo.T
                 a *= np.float32(rs)
-            x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x)
-            gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
+            x = be.matmul(a.reshape(n, qd), L.attn_output, residual=x)
+            gu = be.matmul(x, L.ffn_gate_up, pre="norm", pre_w=L.ffn_norm, eps=eps)  # (n, 2 n_ff)
             if rs != 1.0:  # rs * down(silu(g) * u) as down(silu(g) * u * rs)
                 h = be.silu_mul(gu[:, : cfg.n_ff], gu[:, cfg.n_ff :])  # (n, n_ff)
                 h *= np.float32(rs)
-                x = be.matmul(h, L["ffn_down"], residual=x)
+                x = be.matmul(h, L.ffn_down, residual=x)
             else:
-                x = be.matmul(gu, L["ffn_down"], pre="silu", residual=x)
+                x = be.matmul(gu, L.ffn_down, pre="silu", residual=x)
         if last_only:
             x = x[-1:]
         logits = be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)

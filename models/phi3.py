@@ -19,7 +19,7 @@ from .. import rope as ropes
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..validate import validate_model
-from .llama import check_shapes
+from .llama import Block, check_shapes
 
 ROPE_BY_CONTEXT = True  # build_model passes n_ctx: LongRoPE's factors depend on it
 
@@ -120,7 +120,7 @@ class Model:
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             qkv = p + "attn_qkv.weight"
-            self.layers.append(dict(
+            self.layers.append(Block(
                 attn_norm=norm(p + "attn_norm.weight"),
                 attn_qkv=be.prepare(f.tensor(qkv)) if qkv in f.tensors else
                 be.fuse([f.tensor(p + f"attn_{x}.weight") for x in "qkv"]),
@@ -131,9 +131,9 @@ class Model:
             ))
         # the same block as one fused call for decode, where the backend has one (see forward)
         self.blocks = [be.decoder_block(
-            attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=None, q_norm=None, k_norm=None,
-            attn_output=L["attn_output"], post_attn_norm=None, ffn_norm=L["ffn_norm"], gate_up=L["ffn_gate_up"],
-            act="silu", ffn_down=L["ffn_down"], post_ffw_norm=None, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
+            attn_norm=L.attn_norm, qkv=L.attn_qkv, qkv_bias=None, q_norm=None, k_norm=None,
+            attn_output=L.attn_output, post_attn_norm=None, ffn_norm=L.ffn_norm, gate_up=L.ffn_gate_up,
+            act="silu", ffn_down=L.ffn_down, post_ffw_norm=None, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
             head_dim=cfg.head_dim, eps=cfg.norm_eps, scale=self.attn_scale, rope=cfg.rope) for L in self.layers]
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
@@ -145,13 +145,13 @@ class Model:
         for i, L in enumerate(self.layers):
             if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
                 continue  # decode: the lines below in one call
-            qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
+            qkv = be.matmul(x, L.attn_qkv, pre="norm", pre_w=L.attn_norm, eps=eps)  # (n, qd + 2 kvd)
             qkv = be.rope(qkv.reshape(n, H + 2 * Hkv, hd), pos, rope, heads=H + Hkv)  # heads: q, k, v
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             a = be.attention(q, pos, cache[i], k, v, self.attn_scale, rope)  # (n, H, hd)
-            x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x)
-            gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
-            x = be.matmul(gu, L["ffn_down"], pre="silu", residual=x)
+            x = be.matmul(a.reshape(n, qd), L.attn_output, residual=x)
+            gu = be.matmul(x, L.ffn_gate_up, pre="norm", pre_w=L.ffn_norm, eps=eps)  # (n, 2 n_ff)
+            x = be.matmul(gu, L.ffn_down, pre="silu", residual=x)
         if last_only:
             x = x[-1:]
         return be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)

@@ -14,7 +14,7 @@ from .. import rope as ropes
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..validate import validate_model
-from .llama import check_shapes
+from .llama import Block, check_shapes
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,12 @@ class Config:
         return [0] * self.n_layer
 
 
+@dataclass(frozen=True)
+class Qwen3Block(Block):
+    attn_q_norm: np.ndarray  # (head_dim,), on every query head
+    attn_k_norm: np.ndarray  # (head_dim,), on every key head
+
+
 class Model:
     def __init__(self, f: GGUFFile, be):
         self.cfg = cfg = Config.from_gguf(f)
@@ -97,7 +103,7 @@ class Model:
         self.layers = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
-            self.layers.append(dict(
+            self.layers.append(Qwen3Block(
                 attn_norm=norm(p + "attn_norm.weight"),
                 attn_qkv=be.fuse([f.tensor(p + f"attn_{x}.weight") for x in "qkv"]),
                 attn_q_norm=norm(p + "attn_q_norm.weight"),
@@ -109,9 +115,9 @@ class Model:
             ))
         # the same block as one fused call for decode, where the backend has one (see forward)
         self.blocks = [be.decoder_block(
-            attn_norm=L["attn_norm"], qkv=L["attn_qkv"], qkv_bias=None, q_norm=L["attn_q_norm"],
-            k_norm=L["attn_k_norm"], attn_output=L["attn_output"], post_attn_norm=None, ffn_norm=L["ffn_norm"],
-            gate_up=L["ffn_gate_up"], act="silu", ffn_down=L["ffn_down"], post_ffw_norm=None, n_head=cfg.n_head,
+            attn_norm=L.attn_norm, qkv=L.attn_qkv, qkv_bias=None, q_norm=L.attn_q_norm,
+            k_norm=L.attn_k_norm, attn_output=L.attn_output, post_attn_norm=None, ffn_norm=L.ffn_norm,
+            gate_up=L.ffn_gate_up, act="silu", ffn_down=L.ffn_down, post_ffw_norm=None, n_head=cfg.n_head,
             n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, eps=cfg.norm_eps, scale=self.attn_scale, rope=cfg.rope)
             for L in self.layers]
 
@@ -124,14 +130,14 @@ class Model:
         for i, L in enumerate(self.layers):
             if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
                 continue  # decode: the lines below in one call
-            qkv = be.matmul(x, L["attn_qkv"], pre="norm", pre_w=L["attn_norm"], eps=eps)  # (n, qd + 2 kvd)
+            qkv = be.matmul(x, L.attn_qkv, pre="norm", pre_w=L.attn_norm, eps=eps)  # (n, qd + 2 kvd)
             qkv = qkv.reshape(n, H + 2 * Hkv, hd)  # heads: q, k, v
-            q = be.rope(be.rmsnorm(qkv[:, :H], L["attn_q_norm"], eps), pos, rope)
-            k = be.rope(be.rmsnorm(qkv[:, H : H + Hkv], L["attn_k_norm"], eps), pos, rope)
+            q = be.rope(be.rmsnorm(qkv[:, :H], L.attn_q_norm, eps), pos, rope)
+            k = be.rope(be.rmsnorm(qkv[:, H : H + Hkv], L.attn_k_norm, eps), pos, rope)
             a = be.attention(q, pos, cache[i], k, qkv[:, H + Hkv :], self.attn_scale, rope)  # (n, H, hd)
-            x = be.matmul(a.reshape(n, qd), L["attn_output"], residual=x)
-            gu = be.matmul(x, L["ffn_gate_up"], pre="norm", pre_w=L["ffn_norm"], eps=eps)  # (n, 2 n_ff)
-            x = be.matmul(gu, L["ffn_down"], pre="silu", residual=x)
+            x = be.matmul(a.reshape(n, qd), L.attn_output, residual=x)
+            gu = be.matmul(x, L.ffn_gate_up, pre="norm", pre_w=L.ffn_norm, eps=eps)  # (n, 2 n_ff)
+            x = be.matmul(gu, L.ffn_down, pre="silu", residual=x)
         if last_only:
             x = x[-1:]
         return be.matmul(x, self.output, pre="norm", pre_w=self.output_norm, eps=eps)

@@ -46,9 +46,7 @@ def teacher_forced_logits(model, ids: list[int], n_ctx: int = 4096, kind: str = 
     """Logits after every prefix of ids, prefilled in chunks of 512 like llama.cpp's batches."""
     from edgekv.kvcache import KVCache
 
-    cfg = model.cfg
-    windows = cfg.windows()
-    cache = KVCache([w if w else n_ctx for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows, kind=kind)
+    cache = KVCache.for_model(model.cfg, n_ctx, kind)
     outs = []
     for s in range(0, len(ids), 512):
         chunk = np.asarray(ids[s : s + 512], dtype=np.int64)

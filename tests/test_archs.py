@@ -257,10 +257,7 @@ def _decode_logits(model, ids: list[int], kind: str, fused: bool, n_ctx: int = 4
     the window on a sliding-window layer (wraps too)."""
     from edgekv.kvcache import KVCache
 
-    cfg = model.cfg
-    windows = cfg.windows()
-    cache = KVCache([min(w, n_ctx) if w else n_ctx for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows,
-                    kind=kind)
+    cache = KVCache.for_model(model.cfg, n_ctx, kind)
     saved = model.blocks
     if not fused:
         model.blocks = [None] * len(saved)

@@ -6,14 +6,29 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from edgekv.kvcache import KV_BYTES_PER_VALUE, KVCache, dequantize, hadamard, new_layer, quantize
+from edgekv.backends.reference import ReferenceBackend, hadamard
+from edgekv.backends.reference import dequantize_kv as dequantize
+from edgekv.backends.reference import quantize_kv as quantize
+from edgekv.kvcache import KV_BYTES_PER_VALUE, KVCache, new_layer
+
+REF = ReferenceBackend()
+
+
+def _write(lk, k, v, pos):
+    """Store a batch (k in the ring's key space) as the attention step does, without attending."""
+    plan = lk.plan(pos)
+    REF.store(lk, plan, k, v)
+    lk.place(plan)
+    if lk.recent:
+        REF.store_exact(lk, plan, k, v)
+    lk.commit(plan)
 
 
 def test_ring_slots_keep_sinks_and_overwrite_oldest():
     lk = new_layer("f16", 8, 1, 32, n_sink=2, window=0)
     x = np.zeros((1, 1, 32), np.float32)
     for p in range(13):
-        lk.write(x, x, np.array([p]))
+        _write(lk, x, x, np.array([p]))
     # slots 0,1 keep positions 0,1; the other six slots hold the newest six positions
     assert list(lk.pos[:2]) == [0, 1]
     assert sorted(lk.pos[2:]) == list(range(7, 13))
@@ -23,10 +38,11 @@ def test_ring_slots_keep_sinks_and_overwrite_oldest():
 def test_batch_longer_than_ring_keeps_last_writers():
     lk = new_layer("int8", 8, 2, 32, n_sink=2, window=0)
     k = np.random.default_rng(0).standard_normal((20, 2, 32)).astype(np.float32)
-    lk.calibrate(np.random.default_rng(1).standard_normal((20, 4, 32)).astype(np.float32), k)
-    lk.write(lk.key_space(k), k, np.arange(20))
+    q = np.random.default_rng(1).standard_normal((20, 4, 32)).astype(np.float32)
+    lk.calibrate(q, k)
+    _write(lk, REF.key_space(lk, q, None, k)[2], k, np.arange(20))
     assert list(lk.pos[:2]) == [0, 1] and sorted(lk.pos[2:]) == list(range(14, 20))
-    kk, _ = lk.read()
+    kk = dequantize(lk.kind, lk.k[: lk.fill], lk.k_scale[: lk.fill])
     j = int(np.where(lk.pos == 17)[0][0])
     # stored rotated, less the offset mu, times the channel weights: un-rotates to the input
     np.testing.assert_allclose(hadamard(kk[j]) / lk.kmul + lk.mu, k[17], atol=0.05)
@@ -38,7 +54,7 @@ def test_trim_rolls_back_before_wrap():
     cache = KVCache([16, 16], 1, 32)
     x = np.ones((10, 1, 32), np.float32)
     for lk in cache.layers:
-        lk.write(x, x, np.arange(10))
+        _write(lk, x, x, np.arange(10))
     assert cache.trim(6)
     assert all(lk.n_written == 6 and lk.live.sum() == 6 for lk in cache.layers)
 
@@ -200,3 +216,132 @@ def test_key_offset_is_softmax_invariant_for_sinks_too(device):
     # measured: 0.0016 and 0.0057; without the sink bias 0.034 and 0.72 (even offset 0
     # leaves mu, the first batch's mean, nonzero)
     assert err[0.0] < 0.01 and err[30.0] < 0.01
+
+
+# -- the protocol: plans against a plain-Python model of the ring ---------------------------
+class RingModel:
+    """A ring as a list, token by token: what LayerKV's plans must say."""
+
+    def __init__(self, cap, n_sink, first, recent):
+        self.cap, self.n_sink, self.first, self.recent = cap, n_sink, first, recent
+        self.pos, self.rows, self.written = [-1] * cap, [-1] * (first + recent), 0
+
+    def slot(self, i):
+        if i < self.cap:
+            return i
+        return self.n_sink + (i - self.n_sink) % (self.cap - self.n_sink)
+
+    def batch(self, p0, n):
+        """(writers {row: slot}, exact rows {batch row: rk row}, exact_lo before the batch)."""
+        tail = [p for p in self.rows[self.first:] if p >= 0]
+        lo = min(tail) if tail else p0
+        writers, exact = {}, {}
+        for r in range(n):
+            s = self.slot(self.written + r)
+            writers = {b: t for b, t in writers.items() if t != s}  # a later token takes the slot
+            writers[r] = s
+            p = p0 + r
+            if self.recent:
+                row = p if p < self.first else self.first + p % self.recent
+                exact = {b: t for b, t in exact.items() if t != row}
+                exact[r] = row
+        return writers, exact, lo
+
+    def apply(self, p0, writers, exact, n):
+        for r, s in writers.items():
+            self.pos[s] = p0 + r
+        for r, row in exact.items():
+            self.rows[row] = p0 + r
+        self.written += n
+
+    def trim(self, n):
+        if self.written > self.cap:
+            return False
+        fill = min(self.written, self.cap)
+        self.pos = [-1 if i < fill and p >= n else p for i, p in enumerate(self.pos)]
+        self.rows = [-1 if p >= n else p for p in self.rows]
+        self.written = min(self.written, n)
+        return True
+
+
+@pytest.mark.parametrize("kind,cap,n_sink", [("int8", 12, 4), ("int4", 40, 4), ("f16", 10, 2), ("int8", 9, 0)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plans_follow_the_ring_model(kind, cap, n_sink, seed):
+    """Random batches (longer than the ring too) and trims: every plan's integers and arrays are
+    the model's, and place / commit leave the model's positions in pos and rpos."""
+    rng = np.random.default_rng(seed)
+    lk = new_layer(kind, cap, 1, 32, n_sink, 0, recent=5)
+    model = RingModel(cap, lk.n_sink, lk.first, lk.recent)
+    p = 0
+    for _ in range(40):
+        if rng.random() < 0.15 and p > 3:
+            n = int(rng.integers(0, p))
+            assert lk.trim(n) == model.trim(n)
+            p = lk.n_written
+            continue
+        n = int(rng.choice([1, 1, 1, 2, 3, 7, cap + 3]))
+        plan = lk.plan(np.arange(p, p + n, dtype=np.int64))
+        writers, exact, lo = model.batch(p, n)
+        fill = min(model.written, cap)
+        assert plan.store_first == (n == 1 or fill + n <= cap)
+        assert plan.n_ring == (min(model.written + n, cap) if plan.store_first else fill)
+        assert plan.slot == model.slot(model.written) and plan.exact_lo == lo
+        rows, slots = plan.writers
+        assert dict(zip(rows.tolist(), slots.tolist())) == writers and len(set(slots.tolist())) == len(slots)
+        shifts = [max(q - cap + 1, 0) if lk.n_sink else 0 for q in range(p, p + n)]
+        assert plan.shifts.tolist() == shifts and plan.shift == shifts[-1]
+        rows, dst = plan.exact
+        assert dict(zip(rows.tolist(), dst.tolist())) == exact
+        assert plan.exact_row == (exact[n - 1] if lk.recent else -1)
+        lk.place(plan)
+        lk.commit(plan)
+        model.apply(p, writers, exact, n)
+        p += n
+        assert lk.n_written == model.written
+        assert lk.pos[: lk.fill].tolist() == model.pos[: lk.fill] and lk.rpos.tolist() == model.rows
+        assert lk.exact_from == min([q for q in model.rows[lk.first:] if q >= 0], default=-1)
+
+
+def test_session_state_restores_the_exact_range():
+    """load_state recovers exact_from from rpos: the next plan is the same as before the save."""
+    lk = new_layer("int8", 16, 1, 32, 4, 0, recent=4)
+    for n in (6, 1, 1, 3):
+        plan = lk.plan(np.arange(lk.n_written, lk.n_written + n, dtype=np.int64))
+        lk.place(plan)
+        lk.commit(plan)
+    meta, arrays = lk.state()
+    back = new_layer("int8", 16, 1, 32, 4, 0, recent=4)
+    back.load_state(meta, arrays, lk.n_written)
+    q = np.array([lk.n_written], np.int64)
+    assert back.plan(q) == lk.plan(q) and back.exact_from == lk.exact_from == 7
+
+
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+def test_decode_kernel_writes_where_the_plan_says(kind):
+    """kv_decode stores the token's K and V in the plan's slot and its exact copy in the plan's
+    row, and nothing else: given another slot and row than the ring's next ones, it uses those."""
+    from edgekv.backends.cpu import CPUBackend
+    from edgekv.kernels_cpu import kvquant
+    from edgekv.rope import plain
+
+    be, rng = CPUBackend(threads=1), np.random.default_rng(3)
+    lk = new_layer(kind, 16, 2, 64, 4, 0)
+    rope = plain(10000.0, 64)
+    for p0, n in ((0, 6), (6, 1)):  # a prompt, then a token through the usual step
+        pos = np.arange(p0, p0 + n, dtype=np.int64)
+        q, k, v = (rng.standard_normal((n, h, 64)).astype(np.float32) for h in (4, 2, 2))
+        be.attention(q, pos, lk, k, v, 0.125, rope)
+    plan = lk.plan(np.array([7], np.int64))._replace(slot=11, exact_row=lk.first + 1 if lk.recent else -1)
+    before = {name: getattr(lk, name).copy() for name in ("k", "v", "k_scale", "v_scale", "rk", "rv")}
+    q, k, v = (rng.standard_normal((1, h, 64)).astype(np.float32) for h in (4, 2, 2))
+    lk.place(plan)
+    be.decode(lk, plan, q, np.array([7], np.int64), k, v, 0.125, rope, 0.0)
+    changed = {name: [i for i, (a, b) in enumerate(zip(getattr(lk, name), before[name])) if (a != b).any()]
+               for name in before}
+    assert changed["k"] == changed["v"] == [11]
+    if lk.rotated:
+        assert changed["rk"] == changed["rv"] == [lk.first + 1]
+        stored = kvquant.kv_space(q, k, lk.mu, lk.kmul)[1]
+        np.testing.assert_array_equal(lk.rk[lk.first + 1], stored[0].astype(np.float16))
+    else:
+        np.testing.assert_array_equal(lk.k[11], k[0].astype(np.float16))

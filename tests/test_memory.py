@@ -16,8 +16,7 @@ import pytest
 from conftest import get_llm, model_path
 from edgekv import LLM, ChatSession, SessionFileError
 from edgekv.errors import ContextError, EdgekvError
-from edgekv.kvcache import LAYER_ARRAYS, KVCache, cache_bytes
-from edgekv.llm import capacities
+from edgekv.kvcache import LAYER_ARRAYS, KVCache, cache_bytes, capacities
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="RSS is read from /proc")
 
@@ -164,7 +163,7 @@ def test_generating_at_a_huge_context_adds_no_memory_per_token(tiny_models):
 
 # -- sessions hold the filled part of the cache -----------------------------------------------
 def _state(cache) -> list[dict]:
-    return [{n: a.copy() for n, a in lk.state().items()} for lk in cache.layers]
+    return [{n: a.copy() for n, a in lk.state()[1].items()} for lk in cache.layers]
 
 
 def _same_state(a: list[dict], b: list[dict]) -> bool:
@@ -278,7 +277,7 @@ def test_weights_copied_out_of_the_map_on_request(monkeypatch, tiny_models):
     llm = LLM(path, n_ctx=64, kv="f16")
     mm = np.frombuffer(llm.file._mmap, np.uint8)
     lo, hi = mm.ctypes.data, mm.ctypes.data + mm.size
-    for w in (llm.model.layers[0]["ffn_down"], llm.model.output):
+    for w in (llm.model.layers[0].ffn_down, llm.model.output):
         assert all(not lo <= a.ctypes.data < hi for a in w.ws if a.size)
     def steps(m):
         cache = m.new_cache()

@@ -158,9 +158,7 @@ def _one_at_a_time(model, ids: list[int], n_ctx: int = 64) -> np.ndarray:
     """Logits after every prefix of ids, fed one token per forward call (the decode path)."""
     from edgekv.kvcache import KVCache
 
-    cfg = model.cfg
-    windows = cfg.windows()
-    cache = KVCache([w if w else n_ctx for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows)
+    cache = KVCache.for_model(model.cfg, n_ctx)
     return np.concatenate([model.forward(np.array([t]), np.array([i]), cache) for i, t in enumerate(ids)])
 
 

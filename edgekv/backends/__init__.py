@@ -21,10 +21,10 @@ The operations (x float32, n = tokens in the batch):
   attention(q (n, H, hd), q_pos (n,), kv LayerKV, k (n, Hkv, hd), v, scale, rope, softcap=0)
       -> (n, H, hd)
       q attends to the cached tokens of kv and to this batch's own k/v, causally by position and
-      within kv.span; sink slots are seen through q counter-rotated by kv.sink_shift (rope: the
-      layer's Rope; only turned, q has its attn_factor already); softcap > 0: scaled scores s
-      become softcap * tanh(s / softcap) (gemma2). The batch's k/v are stored in kv: first when
-      kv.write_first(n), else after attending over (ring, batch).
+      within kv.span; sink slots are seen through q counter-rotated by the plan's shifts (rope:
+      the layer's Rope; only turned, q has its attn_factor already); softcap > 0: scaled scores
+      s become softcap * tanh(s / softcap) (gemma2). The batch's k/v are stored in kv where the
+      cache's plan says. Written once (backends/attention.py) over each backend's primitives.
   decoder_block(attn_norm=, qkv=, qkv_bias=, q_norm=, k_norm=, attn_output=, post_attn_norm=,
                 ffn_norm=, gate_up=, act=, ffn_down=, post_ffw_norm=, n_head=, n_head_kv=,
                 head_dim=, eps=, scale=, rope=[, residual_scale=, softcap=]) -> handle or None

@@ -19,8 +19,9 @@ import mmap
 import numpy as np
 
 from ..gguf_file import Tensor
-from ..kvcache import LayerKV
+from ..kvcache import LayerKV, Plan
 from ..rope import Rope
+from .attention import AttentionStep
 from .threads import RUNNING, ThreadTuner
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
@@ -107,7 +108,7 @@ class _Step:
             self.tuner.end(dt, self.tokens)
 
 
-class CPUBackend:
+class CPUBackend(AttentionStep):
     name = "cpu"
 
     def __init__(self, threads: int | None = None):
@@ -170,19 +171,19 @@ class CPUBackend:
         for a batch, or an empty cache (an int ring calibrates on its first batch)."""
         if pos.shape[0] != 1 or not kv.n_written or x.dtype != np.float32 or not x.flags.c_contiguous:
             return False
-        self.blk.decode_block(pack, x, pos, *self._decode_state(kv, pos))
-        kv.n_written += 1
+        plan = kv.plan(pos)
+        kv.place(plan)
+        self.blk.decode_block(pack, x, pos, self._layer(kv), plan.one_token, plan.shift)
+        kv.commit(plan)
         return True
 
-    def _decode_state(self, kv: LayerKV, pos: np.ndarray) -> tuple:
-        """(packed cache arrays, tokens written, sink shift) for one token at pos (1,): the pack
-        made once per cache (kvquant.kv_decode_layer), the shift as LayerKV.sink_shift."""
+    def _layer(self, kv: LayerKV) -> tuple:
+        """The cache's arrays packed for the one-call decode kernels, once per cache (kvquant.kv_decode_layer)."""
         if kv.backend_state is None:
             kv.backend_state = self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
                                                         kv.span, kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu,
                                                         kv.kmul)
-        shift = max(int(pos[0]) - kv.capacity + 1, 0) if kv.n_sink else 0
-        return kv.backend_state, kv.n_written, shift
+        return kv.backend_state
 
     # -- ops -------------------------------------------------------------------------
     # The decode step calls these ~5 times a layer; they go straight to the jitted cores (the
@@ -227,66 +228,57 @@ class CPUBackend:
     def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.ops.add_(a, np.ascontiguousarray(b))
 
-    def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope, softcap: float = 0.0) -> np.ndarray:
-        # The kernels run unchecked (check=False): the cache made every ring array, the model
-        # every activation; at one token the checks and numpy glue used to cost more than the
-        # attention itself, so the decode path here is a few jitted calls and no fancy indexing.
-        kq = self.kvq
-        n = q_pos.shape[0]
+    # -- the attention step's primitives (backends/attention.py) -----------------------
+    # The kernels run unchecked (check=False): the cache made every ring array, the model every
+    # activation; at one token the checks and numpy glue used to cost more than the attention.
+    def decode(self, kv: LayerKV, plan: Plan, q, q_pos, k, v, scale: float, rope: Rope, softcap: float):
         q = np.ascontiguousarray(q)
-        if n == 1 and kv.n_written:  # decode: one call (an empty int ring calibrates first, below)
-            state, n_written, shift = self._decode_state(kv, q_pos)
-            out = kq.kv_decode(state, q, np.ascontiguousarray(k, dtype=np.float32),
-                               np.ascontiguousarray(v, dtype=np.float32), q_pos, n_written,
-                               (rope.freqs, rope.neox, shift), scale, np.empty_like(q), softcap)
-            kv.n_written += 1
-            return out
-        q_sink, sink_bias = q, kq.NO_SINK_BIAS
-        shift = max(int(q_pos[-1]) - kv.capacity + 1, 0) if kv.n_sink else 0  # the batch's largest
-        if shift:  # sinks seen from just before the window (StreamingLLM)
-            q_sink = self.ops.rotate(q.copy(), -kv.sink_shift(q_pos), rope.freqs, rope.neox)  # q has its magnitude
-            if kv.rotated:
-                sink_bias = kv.sink_bias(q, q_sink)
-        k = np.ascontiguousarray(k, dtype=np.float32)
-        v = np.ascontiguousarray(v, dtype=np.float32)
-        if kv.rotated:  # LayerKV.query_space / key_space, with the kernel's Hadamard
-            kv.calibrate(q, k, offset=not softcap)  # on an empty ring: the key offset and channel weights
-            if shift:
-                qmul = np.repeat(kv.kmul, q.shape[1] // kv.kmul.shape[0], axis=0)  # (H, hd)
-                q_sink = kq.hadamard_(q_sink / qmul)
-            q, k_stored = kq.kv_space(q, k, kv.mu, kv.kmul)
-            if not shift:
-                q_sink = q
-        else:
-            k_stored = k  # (n, Hkv, hd) as the ring stores keys
-        e0 = kv.exact_lo(q_pos)  # before this batch lands in the recent slots
-        first = kv.write_first(n)
-        if first:
-            self._store(kv, k_stored, v, q_pos)
+        return self.kvq.kv_decode(self._layer(kv), q, np.ascontiguousarray(k, dtype=np.float32),
+                                  np.ascontiguousarray(v, dtype=np.float32), q_pos, plan.one_token,
+                                  (rope.freqs, rope.neox, plan.shift), scale, np.empty_like(q), softcap)
+
+    def inputs(self, q, k, v):
+        return (np.ascontiguousarray(q), np.ascontiguousarray(k, dtype=np.float32),
+                np.ascontiguousarray(v, dtype=np.float32))
+
+    def host(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def sink_query(self, q: np.ndarray, shifts: np.ndarray, rope: Rope) -> np.ndarray:
+        return self.ops.rotate(q.copy(), -shifts, rope.freqs, rope.neox)  # q has its magnitude
+
+    def sink_bias(self, kv: LayerKV, q: np.ndarray, q_sink: np.ndarray) -> np.ndarray:
+        return kv.sink_bias(q, q_sink)
+
+    def key_space(self, kv: LayerKV, q, q_sink, k):
+        kq = self.kvq
+        if q_sink is not None:
+            qmul = np.repeat(kv.kmul, q.shape[1] // kv.kmul.shape[0], axis=0)  # (H, hd)
+            q_sink = kq.hadamard_(q_sink / qmul)
+        q, k = kq.kv_space(q, k, kv.mu, kv.kmul)
+        return q, q_sink, k
+
+    def store(self, kv: LayerKV, plan: Plan, k: np.ndarray, v: np.ndarray) -> None:
+        rows, slots = plan.writers
+        if len(rows) != plan.n:  # the batch wraps the ring: only each slot's last writer lands
+            k, v = np.ascontiguousarray(k[rows]), np.ascontiguousarray(v[rows])
+        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, False, check=False)
+        self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False, check=False)
+
+    def attend(self, kv: LayerKV, plan: Plan, q, q_sink, q_pos, k, v, sink_bias, scale: float, softcap: float):
         # the batch's exact keys: all of them while not stored yet, else for the recent rule
-        fresh = not first or kv.recent > 0
-        if fresh:
-            fk, fv, fpos = k_stored, v, q_pos
+        if not plan.store_first or kv.recent > 0:
+            fk, fv, fpos = k, v, q_pos
         else:
             fk = fv = np.zeros((0,) + k.shape[1:], np.float32)
             fpos = q_pos[:0]
-        # pos of the filled slots only: the kernel reads no slot past it (and the rest holds no -1s)
-        out = kq.kv_attention(kv.kind, q, q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos[: kv.fill],
-                              kv.n_sink, fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
-                              recent_v=kv.rv, recent_pos=kv.rpos, recent=kv.recent, exact_lo=e0, first=kv.first,
-                              fresh_all=not first, sink_bias=sink_bias, softcap=softcap, check=False)
-        if not first:  # attend over (ring, this batch), then store
-            self._store(kv, k_stored, v, q_pos)
-        kv.write_recent(k_stored, v, q_pos)
-        return out
+        return self.kvq.kv_attention(
+            kv.kind, q, q if q_sink is None else q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale,
+            kv.pos[: plan.n_ring], kv.n_sink, fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
+            recent_v=kv.rv, recent_pos=kv.rpos, recent=kv.recent, exact_lo=plan.exact_lo, first=kv.first,
+            fresh_all=not plan.store_first, sink_bias=self.kvq.NO_SINK_BIAS if sink_bias is None else sink_bias,
+            softcap=softcap, check=False)
 
-    def _store(self, kv: LayerKV, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
-        """k (n, Hkv, hd) already in the ring's key space (rotated for int kinds)."""
-        n = len(pos)
-        sel, slots = kv.last_writers(n)
-        if len(sel) != n:  # the batch wraps the ring: only each slot's last writer lands
-            k, v, pos = np.ascontiguousarray(k[sel]), np.ascontiguousarray(v[sel]), pos[sel]
-        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, False, check=False)
-        self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False, check=False)
-        kv.pos[slots] = pos
-        kv.n_written += n
+    def store_exact(self, kv: LayerKV, plan: Plan, k: np.ndarray, v: np.ndarray) -> None:
+        rows, dst = plan.exact
+        kv.rk[dst], kv.rv[dst] = k[rows], v[rows]

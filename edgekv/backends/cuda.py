@@ -11,8 +11,9 @@ Where things live:
   weights kmul. The host LayerKV stays the bookkeeper (positions, write cursor, trim, reset,
   rpos, and mu/kmul: `LayerKV.calibrate` runs on the host on a copy of the first batch's q and
   k, once per sequence, and the result goes up); the device keeps its own copies of `pos` and
-  `rpos`, updated by kernels, and re-uploaded only when the host's changed behind its back
-  (trim, reset). `sync_to_host` copies the rings and exact copies back (saving a session).
+  `rpos`, updated by kernels from the cache's plan, and re-uploaded only when the host's changed
+  otherwise (trim, reset, calibrate, load: `LayerKV.epoch`). `sync_to_host` copies the rings and
+  exact copies back (saving a session).
 - Host crossings per decode step: the token id and position in; slot indices of the ring and
   of the exact slots (small uploads, shared by all layers of one ring size); the logits out.
   The interface hands the sampler host logits, so the vocabulary projection (the GGUF's
@@ -30,8 +31,9 @@ import numpy as np
 
 from ..errors import DeviceError, UnsupportedModelError
 from ..gguf_file import Tensor
-from ..kvcache import LayerKV
+from ..kvcache import LayerKV, Plan
 from ..rope import Rope
+from .attention import AttentionStep
 
 _VOCAB_OUT = ("output.weight", "token_embd.weight")  # matmuls whose result goes back as host logits
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -164,8 +166,7 @@ class _Placed:
 @dataclass
 class _Ring:
     """Device copy of one LayerKV: K and V as kernels_gpu.kvquant (h, b, s) triples, pos, the
-    exact copies (rk, rv half bits, rpos), mu and kmul, and the host pos / rpos they last
-    agreed with."""
+    exact copies (rk, rv half bits, rpos), mu and kmul, and the host's epoch they last agreed with."""
     K: tuple
     V: tuple
     k: object
@@ -173,17 +174,16 @@ class _Ring:
     ks: object
     vs: object
     pos: object
-    shadow: np.ndarray
     rk: object  # uint16 (first + recent, Hkv, hd)
     rv: object
     rpos: object  # int64 (first + recent,)
-    rshadow: np.ndarray
     mu: object  # float32 (Hkv, hd)
     kmul: object
+    epoch: int
     owner: object
 
 
-class CUDABackend:
+class CUDABackend(AttentionStep):
     name = "cuda"
 
     def __init__(self, threads: int | None = None, gpu_layers: int | None = None):
@@ -369,87 +369,66 @@ class CUDABackend:
         return DeviceArray(ad)
 
     def attention(self, q, q_pos, kv: LayerKV, k, v, scale: float, rope: Rope, softcap: float = 0.0):
-        """The CPU backend's attention step (edgekv/backends/cpu.py) on the device: keys moved
-        into the ring's key space (int kinds), the batch stored before or after it attends, its
-        last tokens kept exact."""
+        """The attention step (backends/attention.py) on the device, or on the CPU for a layer left there."""
         if not isinstance(q, DeviceArray):
             return self.cpu.attention(q, q_pos, kv, self._host(k), self._host(v), scale, rope, softcap)
-        kq, ops = self.kvq, self.ops
+        return super().attention(q, q_pos, kv, k, v, scale, rope, softcap)
+
+    # -- the attention step's primitives, on device arrays ----------------------------------
+    def inputs(self, q, k, v):
+        return q.contiguous(), self._dev(k), self._dev(v)
+
+    def host(self, x) -> np.ndarray:
+        return x.copy_to_host()
+
+    def sink_query(self, q, shifts: np.ndarray, rope: Rope):
+        return self.ops.rope(_dcopy(q), self._ints(-shifts), self._freqs(rope), rope.neox)  # q has its magnitude
+
+    def sink_bias(self, kv: LayerKV, q, q_sink):
+        return self.kvq.sink_bias(q, q_sink, self._ring(kv).mu)
+
+    def key_space(self, kv: LayerKV, q, q_sink, k):
         r = self._ring(kv)
-        n = q_pos.shape[0]
-        qd, kd, vd = q.contiguous(), self._dev(k), self._dev(v)
-        dpos = self._ints(q_pos)
-        shift = kv.sink_shift(q_pos)
-        q_sink = sb = None
-        if kv.n_sink and shift.any():  # sinks seen from just before the window (StreamingLLM)
-            q_sink = ops.rope(_dcopy(qd), self._ints(-shift), self._freqs(rope), rope.neox)  # q has its magnitude
-            if kv.rotated:
-                sb = kq.sink_bias(qd, q_sink, r.mu)
-        if kv.rotated:  # new arrays: the caller's q stays as it was
-            if kv.n_written == 0:  # an empty ring: the key offset and channel weights, on the host
-                kv.calibrate(qd.copy_to_host(), kd.copy_to_host(), offset=not softcap)
-                r.mu.copy_to_device(kv.mu)
-                r.kmul.copy_to_device(kv.kmul)
-            if q_sink is not None:
-                q_sink = kq.kv_space(q_sink, None, r.mu, r.kmul)[0]
-            qd, ks = kq.kv_space(qd, kd, r.mu, r.kmul)
+        if q_sink is not None:  # new arrays: the caller's q stays as it was
+            q_sink = self.kvq.kv_space(q_sink, None, r.mu, r.kmul)[0]
+        q, k = self.kvq.kv_space(q, k, r.mu, r.kmul)
+        return q, q_sink, k
+
+    def store(self, kv: LayerKV, plan: Plan, k, v) -> None:
+        r = self._ring(kv)
+        rows, slots = plan.writers
+        m = len(rows)
+        idx = self._ints(np.concatenate([rows, slots, plan.p0 + rows]))  # one upload: rows, slots, positions
+        dslots = idx[m : 2 * m]
+        self.kvq.kv_store(kv.kind, k, r.K, idx[0:m], dslots, False)
+        self.kvq.kv_store(kv.kind, v, r.V, idx[0:m], dslots, False)
+        self.kvq.set_pos(r.pos, dslots, idx[2 * m : 3 * m])  # the device's copy of what kv.place records
+
+    def attend(self, kv: LayerKV, plan: Plan, q, q_sink, q_pos, k, v, sink_bias, scale: float, softcap: float):
+        r = self._ring(kv)
+        if not plan.store_first or kv.recent > 0:  # the batch exact: all of it while not stored, else for the recent rule
+            fk, fv, fpos = k, v, self._ints(q_pos)
         else:
-            ks = kd  # (n, Hkv, hd) as the ring stores keys
-        e0 = kv.exact_lo(q_pos)  # before this batch lands in the exact slots
-        first = kv.write_first(n)
-        if first:
-            self._store(kv, r, ks, vd, q_pos)
-        if not first or kv.recent > 0:  # the batch exact: all of it while not stored, else for the recent rule
-            fk, fv, fpos = ks, vd, dpos
-        else:
-            fk = fv = self.cuda.device_array((0,) + tuple(kd.shape[1:]), np.float32)
+            fk = fv = self.cuda.device_array((0,) + tuple(k.shape[1:]), np.float32)
             fpos = self._ints(q_pos[:0])
-        n_ring = min(kv.n_written, kv.capacity)  # a ring fills from slot 0: later slots are empty
-        out = kq.kv_attention(kv.kind, qd, q_sink, dpos, r.K, r.V, r.pos, n_ring, kv.n_sink, fk, fv, fpos, scale,
-                              kv.span, recent_k=r.rk, recent_v=r.rv, recent_pos=r.rpos, recent=kv.recent,
-                              exact_lo=e0, first=kv.first, fresh_all=not first, sink_bias=sb, softcap=softcap)
-        if not first:  # attended over (ring, this batch): now store it
-            self._store(kv, r, ks, vd, q_pos)
-        self._write_recent(kv, r, ks, vd, q_pos)
+        out = self.kvq.kv_attention(kv.kind, q, q_sink, self._ints(q_pos), r.K, r.V, r.pos, plan.n_ring, kv.n_sink,
+                                    fk, fv, fpos, scale, kv.span, recent_k=r.rk, recent_v=r.rv, recent_pos=r.rpos,
+                                    recent=kv.recent, exact_lo=plan.exact_lo, first=kv.first,
+                                    fresh_all=not plan.store_first, sink_bias=sink_bias, softcap=softcap)
         return DeviceArray(out)
 
-    def _store(self, kv: LayerKV, r: _Ring, k, v, pos: np.ndarray) -> None:
-        """k (n, Hkv, hd) already in the ring's key space."""
-        sel, slots = kv.last_writers(len(pos))
-        m = len(sel)
-        idx = self._ints(np.concatenate([sel, slots, pos[sel]]))  # one upload: rows, slots, positions
-        rows, dslots, vals = idx[0:m], idx[m : 2 * m], idx[2 * m : 3 * m]
-        self.kvq.kv_store(kv.kind, k, r.K, rows, dslots, False)
-        self.kvq.kv_store(kv.kind, v, r.V, rows, dslots, False)
-        self.kvq.set_pos(r.pos, dslots, vals)
-        kv.pos[slots] = pos[sel]
-        kv.n_written += len(pos)
-        r.shadow[slots] = pos[sel]
-
-    def _write_recent(self, kv: LayerKV, r: _Ring, k, v, pos: np.ndarray) -> None:
-        """LayerKV.write_recent on the device: the first positions keep rows of their own, the
-        batch's last `recent` tokens go to row first + pos % recent; the host keeps rpos."""
-        if not kv.recent:
-            return
-        if len(pos) == 1:
-            p = int(pos[0])
-            rows = np.zeros(1, np.int64)
-            dst = np.array([p if p < kv.first else kv.first + p % kv.recent], np.int64)
-        else:
-            head = np.flatnonzero(pos < kv.first)
-            tail = np.flatnonzero(pos >= kv.first)[-kv.recent:]
-            rows = np.concatenate([head, tail])
-            dst = np.concatenate([pos[head], kv.first + pos[tail] % kv.recent])
+    def store_exact(self, kv: LayerKV, plan: Plan, k, v) -> None:
+        r = self._ring(kv)
+        rows, dst = plan.exact
         m = len(rows)
-        idx = self._ints(np.concatenate([rows, dst, pos[rows]]))
+        idx = self._ints(np.concatenate([rows, dst, plan.p0 + rows]))
         self.kvq.store_f16_rows(k, v, idx[0:m], idx[m : 2 * m], r.rk, r.rv)
-        self.kvq.set_pos(r.rpos, idx[m : 2 * m], idx[2 * m : 3 * m])
-        kv.rpos[dst] = pos[rows]
-        r.rshadow[dst] = pos[rows]
+        self.kvq.set_pos(r.rpos, idx[m : 2 * m], idx[2 * m : 3 * m])  # the device's copy of what kv.commit records
 
     def _ring(self, kv: LayerKV) -> _Ring:
-        """The device copy of kv (made from the host arrays on first use), its positions brought
-        up to date when the host changed them (trim, reset)."""
+        """The device copy of kv (made from the host arrays on first use); its positions, key
+        offset and channel weights uploaded again when the host changed them (kv.epoch: trim,
+        reset, calibrate, load)."""
         r = kv.__dict__.get("_cuda_ring")
         if r is None or r.owner is not self:
             if kv.n_written == 0 and (kv.rpos < 0).all():
@@ -457,21 +436,18 @@ class CUDABackend:
                 up = lambda a: self.cuda.device_array(a.shape, a.dtype)  # noqa: E731
             else:
                 up = self.cuda.to_device
-            k = up(kv.k.view(np.uint16) if kv.kind == "f16" else kv.k.view(np.uint8))
-            v = up(kv.v.view(np.uint16) if kv.kind == "f16" else kv.v.view(np.uint8))
+            k = up(kv.k.view(np.uint8 if kv.rotated else np.uint16))
+            v = up(kv.v.view(np.uint8 if kv.rotated else np.uint16))
             ks, vs = up(kv.k_scale.view(np.uint16)), up(kv.v_scale.view(np.uint16))
             to = self.cuda.to_device
             r = _Ring(self.kvq.ring_arrays(kv.kind, k, ks), self.kvq.ring_arrays(kv.kind, v, vs), k, v, ks, vs,
-                      to(kv.pos), kv.pos.copy(), up(kv.rk.view(np.uint16)), up(kv.rv.view(np.uint16)), to(kv.rpos),
-                      kv.rpos.copy(), to(kv.mu), to(kv.kmul), self)
+                      to(kv.pos), up(kv.rk.view(np.uint16)), up(kv.rv.view(np.uint16)), to(kv.rpos), to(kv.mu),
+                      to(kv.kmul), kv.epoch, self)
             kv.__dict__["_cuda_ring"] = r  # lives and dies with the LayerKV
-        else:
-            if not np.array_equal(r.shadow, kv.pos):
-                r.pos.copy_to_device(kv.pos)
-                r.shadow[:] = kv.pos
-            if not np.array_equal(r.rshadow, kv.rpos):
-                r.rpos.copy_to_device(kv.rpos)
-                r.rshadow[:] = kv.rpos
+        elif r.epoch != kv.epoch:
+            for dev, host in ((r.pos, kv.pos), (r.rpos, kv.rpos), (r.mu, kv.mu), (r.kmul, kv.kmul)):
+                dev.copy_to_device(host)
+            r.epoch = kv.epoch
         return r
 
     def sync_to_host(self, cache) -> None:
@@ -481,11 +457,11 @@ class CUDABackend:
             if r is not None:
                 r.k.copy_to_host(kv.k.view(r.k.dtype))
                 r.v.copy_to_host(kv.v.view(r.v.dtype))
-                if kv.kind != "f16":
+                if kv.rotated:
                     r.ks.copy_to_host(kv.k_scale.view(np.uint16))
                     r.vs.copy_to_host(kv.v_scale.view(np.uint16))
                 empty = ~kv.live  # never written on the device: whatever the allocation held
-                for a in (kv.k, kv.v) + ((kv.k_scale, kv.v_scale) if kv.kind != "f16" else ()):
+                for a in (kv.k, kv.v) + ((kv.k_scale, kv.v_scale) if kv.rotated else ()):
                     a[empty] = 0
                 if kv.rk.shape[0]:  # the exact copies (rpos and mu, kmul are kept on the host)
                     r.rk.copy_to_host(kv.rk.view(np.uint16))

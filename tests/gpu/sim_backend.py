@@ -137,8 +137,8 @@ def test_partial_offload(models):
     assert be._cpu is not None and be.weight_bytes < full.backend.weight_bytes  # block 1, embeddings, output on the CPU
     from edgekv.backends.cuda import GPUWeight
 
-    assert isinstance(part.model.layers[0]["attn_output"], GPUWeight)
-    assert not isinstance(part.model.layers[1]["attn_output"], GPUWeight)  # the CPU backend's handle
+    assert isinstance(part.model.layers[0].attn_output, GPUWeight)
+    assert not isinstance(part.model.layers[1].attn_output, GPUWeight)  # the CPU backend's handle
     rows = []
     for llm in (part, full):  # a prefill and a decode step: the residual crosses at the layer boundary
         c = llm.new_cache()

@@ -14,8 +14,9 @@ from gguf.quants import dequantize
 from gpu_common import SIM, launch_sizes  # noqa: F401  (fixture)
 from edgekv.kernels_cpu import kvquant as ckv
 from edgekv.kernels_cpu import ops as cops
-from edgekv.kvcache import hadamard, quantize
-from edgekv.kvcache import dequantize as kv_dequantize
+from edgekv.backends.reference import dequantize_kv as kv_dequantize
+from edgekv.backends.reference import hadamard
+from edgekv.backends.reference import quantize_kv as quantize
 from edgekv.quants import BY_NAME
 from numba import cuda
 
@@ -153,11 +154,10 @@ def _ring(kind, cap, nkv, hd):
     return q, s, dq, ds
 
 
-@pytest.mark.parametrize("kind,rule", [("f16", "fit"), ("int8", "fit"), ("int4", "fit"), ("int4", "q4_0"),
-                                       ("int4", "absmax")])
-def test_kv_store_load_bytes_match_cpu(kind, rule):
-    """Stored bytes equal the CPU kernel's (kernels_cpu.kvquant.kv_store with the same int4 step
-    rule; "fit" is the cache's), and for int8 the numpy reference quantizer's too."""
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+def test_kv_store_load_bytes_match_cpu(kind):
+    """Stored bytes equal the CPU kernel's (kernels_cpu.kvquant.kv_store) and the numpy reference
+    quantizer's."""
     rng = np.random.default_rng(2)
     cap, nkv, hd = 5, 2, 64
     x = rng.standard_normal((3, nkv, hd)).astype(np.float32)
@@ -167,17 +167,16 @@ def test_kv_store_load_bytes_match_cpu(kind, rule):
     rotate = kind != "f16"
     _, _, dq, ds = _ring(kind, cap, nkv, hd)
     ring = gkv.ring_arrays(kind, dq, ds)
-    gkv.kv_store(kind, cuda.to_device(x), ring, cuda.to_device(rows), cuda.to_device(slots), rotate, int4_scale=rule)
+    gkv.kv_store(kind, cuda.to_device(x), ring, cuda.to_device(rows), cuda.to_device(slots), rotate)
     xr = ckv.hadamard_(np.ascontiguousarray(x[rows])) if rotate else x[rows]  # the kernels' rotation, bit for bit
     if kind == "f16":
         np.testing.assert_array_equal(dq.copy_to_host()[slots], xr.astype(np.float16).view(np.uint16))
     else:
         qa, sa = ckv.kv_arrays(kind, cap, nkv, hd)
-        ckv.kv_store(kind, np.ascontiguousarray(x[rows]), qa, sa, slots, True, int4_scale=rule)
+        ckv.kv_store(kind, np.ascontiguousarray(x[rows]), qa, sa, slots, True)
         qref, sref = qa[slots], sa[slots]
-        if rule == "fit":  # and the numpy reference of the cache's layout
-            np.testing.assert_array_equal(quantize(kind, xr)[0].view(np.uint8), qref.view(np.uint8))
-            np.testing.assert_array_equal(quantize(kind, xr)[1], sref)
+        np.testing.assert_array_equal(quantize(kind, xr)[0].view(np.uint8), qref.view(np.uint8))
+        np.testing.assert_array_equal(quantize(kind, xr)[1], sref)
         np.testing.assert_array_equal(dq.copy_to_host()[slots], qref.view(np.uint8))
         np.testing.assert_array_equal(ds.copy_to_host()[slots], sref.view(np.uint16))
     back = gkv.kv_load(kind, ring, cuda.to_device(slots), nkv, hd, rotate).copy_to_host()
