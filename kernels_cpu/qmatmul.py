@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 
-import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -43,6 +41,7 @@ from edgekv.quants import KVALUES_IQ4NL, QUANT_TYPES
 
 from . import ops
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
+from .simd import _FEATURES, _I32, _elem_ptr, _half_to_float, _lanes, _load, _splat_ir
 
 # GGML type ids (edgekv/quants.py is the table; repeated here as compile-time constants).
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -77,54 +76,7 @@ class _VecModel(models.PrimitiveModel):
         super().__init__(dmm, fe_type, ir.VectorType(elem, fe_type.n))
 
 
-_I32 = ir.IntType(32)
 _FAST = ("fast",)
-try:  # what numba compiles for: the host CPU
-    _FEATURES = dict(llvm.get_host_cpu_features())
-except RuntimeError:  # LLVM cannot tell on some hosts: generic code only
-    _FEATURES = {}
-# Use the hardware half->float conversion (vcvtph2ps, fcvt) where LLVM lowers it inline.
-_machine = platform.machine().lower()
-_NATIVE_F16 = (_machine in ("x86_64", "amd64") and bool(_FEATURES.get("f16c"))) or _machine in ("arm64", "aarch64")
-
-
-def _lanes(n, fn):
-    return ir.Constant(ir.VectorType(_I32, n), [fn(i) for i in range(n)])
-
-
-def _elem_ptr(context, builder, arrty, arr, idx, idxty):
-    data = context.make_array(arrty)(context, builder, arr).data
-    return builder.gep(data, [context.cast(builder, idx, idxty, types.intp)])
-
-
-def _splat_ir(builder, val, n):
-    vt = ir.VectorType(val.type, n)
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), _lanes(n, lambda i: 0))
-
-
-def _half_to_float(builder, h):
-    """h: i16 or <n x i16> holding IEEE halves -> float / <n x float>."""
-    n = h.type.count if isinstance(h.type, ir.VectorType) else None
-    vec = (lambda t: ir.VectorType(t, n)) if n else (lambda t: t)
-    if _NATIVE_F16:
-        return builder.fpext(builder.bitcast(h, vec(ir.HalfType())), vec(ir.FloatType()))
-    c = (lambda v: ir.Constant(vec(_I32), [v] * n)) if n else (lambda v: ir.Constant(_I32, v))
-    x = builder.zext(h, vec(_I32))
-    sign = builder.shl(builder.and_(x, c(0x8000)), c(16))
-    em = builder.and_(x, c(0x7FFF))
-    normal = builder.add(builder.shl(em, c(13)), c(112 << 23))
-    special = builder.or_(builder.shl(em, c(13)), c(0x7F800000))
-    bits = builder.select(builder.icmp_unsigned(">=", em, c(0x7C00)), special, normal)
-    fvec = vec(ir.FloatType())
-    sub = builder.fmul(builder.uitofp(em, fvec), builder.bitcast(c(103 << 23), fvec))  # em * 2**-24
-    sub_bits = builder.bitcast(sub, vec(_I32))
-    bits = builder.select(builder.icmp_unsigned("<", em, c(0x400)), sub_bits, bits)
-    return builder.bitcast(builder.or_(bits, sign), fvec)
-
-
-def _load(builder, ptr, llty):
-    return builder.load(builder.bitcast(ptr, llty.as_pointer()), align=1)
 
 
 @intrinsic

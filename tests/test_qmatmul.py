@@ -13,6 +13,7 @@ from conftest import model_path
 from edgekv.errors import EdgekvError, UnsupportedModelError
 from edgekv.gguf_file import GGUFFile
 from edgekv.kernels_cpu import qmatmul as qm
+from edgekv.kernels_cpu import simd
 from edgekv.quants import BY_NAME, QUANT_TYPES
 
 ALL = [QUANT_TYPES[q].name for q in qm.SUPPORTED]
@@ -373,7 +374,7 @@ def test_vector_primitives(monkeypatch, isa):
         for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD", "_VPDPWSSD", "_PSHUFB", "_PERMW"):
             keep = {16, 32} if isa == "avx2" and table in ("_PMADDWD", "_PMADDUBSW", "_PSHUFB") else set()
             monkeypatch.setattr(qm, table, {n: v for n, v in getattr(qm, table).items() if n in keep})
-        monkeypatch.setattr(qm, "_NATIVE_F16", False if isa == "generic" else qm._NATIVE_F16)
+        monkeypatch.setattr(simd, "_NATIVE_F16", False if isa == "generic" else simd._NATIVE_F16)
 
     @numba.njit
     def products(u8, i8, i16, o_madd16, o_madd32, o_ubs32, o_ubs64, o_dot32, o_dot64):
