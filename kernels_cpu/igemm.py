@@ -21,11 +21,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .qmatmul import (cat, shuffler, _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K,
+from .qmatmul import (_OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K,
                       Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _block_iq4_nl, _block_q4_0, _block_q4_1,
                       _block_q5_0, _block_q5_1, _block_q8_0, _part, _quants_iq4_xs, _quants_q2_k, _quants_q3_k,
                       _quants_q4_k, _quants_q5_k, _quants_q6_k, _scales_iq4_xs, _scales_k4, _scales_q2_k,
-                      _scales_q3_k, _scales_q6_k, at, cvt, dot4acc, fma, lane, ld, splat, st, view, vmul)
+                      _scales_q3_k, _scales_q6_k)
+from .simd import at, cat, cvt, dot4acc, fma, lane, ld, shuffler, splat, st, view, vmul
 
 _R = 32  # rows per tile: two vectors of 16 int32 lanes
 _T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast: 27 of 32 zmm)
