@@ -21,10 +21,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .qmatmul import (_OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K,
-                      Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _block_iq4_nl, _block_q4_0, _block_q4_1,
-                      _block_q5_0, _block_q5_1, _block_q8_0, _part, _quants_iq4_xs, _quants_q2_k, _quants_q3_k,
-                      _quants_q4_k, _quants_q5_k, _quants_q6_k, _scales_iq4_xs, _scales_k4, _scales_q2_k,
+from .qmatmul import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_Q4_1, _NB_Q4_K, _NB_Q5_0, _NB_Q5_1,
+                      _NB_Q5_K, _NB_Q6_K, _NB_Q8_0, _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K,
+                      IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _block_iq4_nl, _block_q4_0,
+                      _block_q4_1, _block_q5_0, _block_q5_1, _block_q8_0, _part, _quants_iq4_xs, _quants_q2_k,
+                      _quants_q3_k, _quants_q4_k, _quants_q5_k, _quants_q6_k, _scales_iq4_xs, _scales_k4, _scales_q2_k,
                       _scales_q3_k, _scales_q6_k)
 from .simd import at, cat, cvt, dot4acc, fma, lane, ld, shuffler, splat, st, view, vmul
 
@@ -151,29 +152,29 @@ def _unpack(qtype, w, rb, r0, nr, k, u, s, mn, tmp):
     for rr in range(nr):
         ro = (r0 + rr) * rb
         if qtype == Q4_0:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q4_0, 18)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q4_0, _NB_Q4_0)
         elif qtype == Q4_1:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q4_1, 20)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q4_1, _NB_Q4_1)
         elif qtype == Q5_0:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q5_0, 22)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q5_0, _NB_Q5_0)
         elif qtype == Q5_1:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q5_1, 24)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q5_1, _NB_Q5_1)
         elif qtype == Q8_0:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q8_0, 34)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q8_0, _NB_Q8_0)
         elif qtype == IQ4_NL:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_iq4_nl, 18)
+            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_iq4_nl, _NB_IQ4_NL)
         elif qtype == Q2_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q2_k, _quants_q2_k, 84, 16)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q2_k, _quants_q2_k, _NB_Q2_K, 16)
         elif qtype == Q3_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q3_k, _quants_q3_k, 110, 16)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q3_k, _quants_q3_k, _NB_Q3_K, 16)
         elif qtype == Q4_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_k4, _quants_q4_k, 144, 32)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_k4, _quants_q4_k, _NB_Q4_K, 32)
         elif qtype == Q5_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_k4, _quants_q5_k, 176, 32)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_k4, _quants_q5_k, _NB_Q5_K, 32)
         elif qtype == Q6_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q6_k, _quants_q6_k, 210, 16)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q6_k, _quants_q6_k, _NB_Q6_K, 16)
         else:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_iq4_xs, _quants_iq4_xs, 136, 32)
+            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_iq4_xs, _quants_iq4_xs, _NB_IQ4_XS, 32)
     k4 = k // 4
     for rr in range(nr, _R):
         for g in range(k4):

@@ -30,6 +30,7 @@ import os
 import numpy as np
 from numba import njit, prange
 
+from edgekv import quants as qt
 from edgekv.errors import EdgekvError, UnsupportedModelError
 from edgekv.quants import KVALUES_IQ4NL, QUANT_TYPES
 
@@ -40,11 +41,17 @@ from .simd import (_PMADDUBSW, _VPDPBUSD, at, bits, cat, cvt, dot4, dot4acc, fma
                    shuffler2, splat, st, testbits, vabs, vadd, vand, view, vmax, vmul, vor, vrint, vshl, vshr, vsub,
                    word)
 
-# GGML type ids (edgekv/quants.py is the table; repeated here as compile-time constants).
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
-SUPPORTED = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
-_FLOAT_TYPES = (F32, F16, BF16)
+# GGML type ids and block bytes from the one table (edgekv/quants.py), as module-level ints: numba
+# compiles them in as constants.
+F32, F16, BF16 = qt.F32.id, qt.F16.id, qt.BF16.id
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL = qt.Q4_0.id, qt.Q4_1.id, qt.Q5_0.id, qt.Q5_1.id, qt.Q8_0.id, qt.IQ4_NL.id
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = qt.Q2_K.id, qt.Q3_K.id, qt.Q4_K.id, qt.Q5_K.id, qt.Q6_K.id, qt.IQ4_XS.id
+_NB_Q4_0, _NB_Q4_1, _NB_Q5_0, _NB_Q5_1, _NB_Q8_0, _NB_IQ4_NL = (
+    q.block_bytes for q in (qt.Q4_0, qt.Q4_1, qt.Q5_0, qt.Q5_1, qt.Q8_0, qt.IQ4_NL))
+_NB_Q2_K, _NB_Q3_K, _NB_Q4_K, _NB_Q5_K, _NB_Q6_K, _NB_IQ4_XS = (
+    q.block_bytes for q in (qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.IQ4_XS))
+SUPPORTED = qt.CPU_TYPES
+_FLOAT_TYPES = qt.FLOAT_TYPES
 
 # What a matmul does to its input first (qmatmul's `pre`): nothing, rmsnorm, or a gated activation.
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
@@ -728,34 +735,34 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
     type is dispatched once per call, outside the row loop."""
     if qtype == Q4_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, _NB_Q4_0, False)
     elif qtype == Q4_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, 20, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, _NB_Q4_1, True)
     elif qtype == Q5_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, 22, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, _NB_Q5_0, False)
     elif qtype == Q5_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, 24, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, _NB_Q5_1, True)
     elif qtype == Q8_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, 34, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, _NB_Q8_0, False)
     elif qtype == Q2_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, 84, _OFF_Q2_K, True, 80,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, _NB_Q2_K, _OFF_Q2_K, True, 80,
                 False, False)
     elif qtype == Q3_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, 110, _OFF_Q3_K, False, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, _NB_Q3_K, _OFF_Q3_K, False, 0,
                 False, False)
     elif qtype == Q4_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q4_k, 144, _OFF_Q4_K, True, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q4_k, _NB_Q4_K, _OFF_Q4_K, True, 0,
                 True, False)
     elif qtype == Q5_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q5_k, 176, _OFF_Q5_K, True, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q5_k, _NB_Q5_K, _OFF_Q5_K, True, 0,
                 True, False)
     elif qtype == Q6_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, _NB_Q6_K, _OFF_Q6_K, False, 0,
                 False, False)
     elif qtype == IQ4_NL:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, _NB_IQ4_NL, False)
     elif qtype == IQ4_XS:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, 136, _OFF_IQ4_XS,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, _NB_IQ4_XS, _OFF_IQ4_XS,
                 False, 0, False, True)
     elif qtype == F32:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
@@ -814,29 +821,29 @@ def _deq_k(w, ro, k, dst, at_, scales, quants, nbytes, off):
 @njit(fastmath=True)
 def _dequant_row(qtype, w, ro, k, dst, at):
     if qtype == Q4_0:
-        _deq_32(w, ro, k, dst, at, _block_q4_0, 18)
+        _deq_32(w, ro, k, dst, at, _block_q4_0, _NB_Q4_0)
     elif qtype == Q4_1:
-        _deq_32(w, ro, k, dst, at, _block_q4_1, 20)
+        _deq_32(w, ro, k, dst, at, _block_q4_1, _NB_Q4_1)
     elif qtype == Q5_0:
-        _deq_32(w, ro, k, dst, at, _block_q5_0, 22)
+        _deq_32(w, ro, k, dst, at, _block_q5_0, _NB_Q5_0)
     elif qtype == Q5_1:
-        _deq_32(w, ro, k, dst, at, _block_q5_1, 24)
+        _deq_32(w, ro, k, dst, at, _block_q5_1, _NB_Q5_1)
     elif qtype == Q8_0:
-        _deq_32(w, ro, k, dst, at, _block_q8_0, 34)
+        _deq_32(w, ro, k, dst, at, _block_q8_0, _NB_Q8_0)
     elif qtype == Q2_K:
-        _deq_k(w, ro, k, dst, at, _scales_q2_k, _quants_q2_k, 84, _OFF_Q2_K)
+        _deq_k(w, ro, k, dst, at, _scales_q2_k, _quants_q2_k, _NB_Q2_K, _OFF_Q2_K)
     elif qtype == Q3_K:
-        _deq_k(w, ro, k, dst, at, _scales_q3_k, _quants_q3_k, 110, _OFF_Q3_K)
+        _deq_k(w, ro, k, dst, at, _scales_q3_k, _quants_q3_k, _NB_Q3_K, _OFF_Q3_K)
     elif qtype == Q4_K:
-        _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q4_k, 144, _OFF_Q4_K)
+        _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q4_k, _NB_Q4_K, _OFF_Q4_K)
     elif qtype == Q5_K:
-        _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q5_k, 176, _OFF_Q5_K)
+        _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q5_k, _NB_Q5_K, _OFF_Q5_K)
     elif qtype == Q6_K:
-        _deq_k(w, ro, k, dst, at, _scales_q6_k, _quants_q6_k, 210, _OFF_Q6_K)
+        _deq_k(w, ro, k, dst, at, _scales_q6_k, _quants_q6_k, _NB_Q6_K, _OFF_Q6_K)
     elif qtype == IQ4_NL:
-        _deq_32(w, ro, k, dst, at, _block_iq4_nl, 18)
+        _deq_32(w, ro, k, dst, at, _block_iq4_nl, _NB_IQ4_NL)
     elif qtype == IQ4_XS:
-        _deq_k(w, ro, k, dst, at, _scales_iq4_xs, _quants_iq4_xs, 136, _OFF_IQ4_XS)
+        _deq_k(w, ro, k, dst, at, _scales_iq4_xs, _quants_iq4_xs, _NB_IQ4_XS, _OFF_IQ4_XS)
     elif qtype == F32:
         _deq_float(w, ro, k, dst, at, _load_f32)
     elif qtype == F16:
