@@ -48,8 +48,9 @@ def in_kernels(llm, kv: str, n: int = 150) -> float:
         x = np.empty((1, m.token_embd.k), np.float32)
         qmatmul._dequant_rows(m.token_embd.ws[0], m.token_embd.qtype, ids, m.token_embd.k, x)
         for pack, layer, nw in packs:
-            W, N, dims, eps, scale, (freqs, neox, heads) = pack
-            block._block_core(x, pos, W, N, dims, eps, scale, (freqs, neox, heads, 0), layer, nw, (1 << 16, 256, be.threads))
+            W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads, mag) = pack
+            block._block_core(x, pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, 0, mag), layer, nw,
+                              (1 << 16, 256, be.threads), softcap)
         qmatmul._qmatvec(x, m.output.ws, m.output.qtype, out, 0, qmatmul.PRE_NORM, m.output_norm, m.cfg.norm_eps, e2, e1)
     return (time.perf_counter() - t) / n
 
