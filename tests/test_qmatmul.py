@@ -13,7 +13,7 @@ from conftest import model_path
 from edgekv.errors import EdgekvError, UnsupportedModelError
 from edgekv.gguf_file import GGUFFile
 from edgekv.kernels_cpu import qmatmul as qm
-from edgekv.kernels_cpu import simd
+from edgekv.kernels_cpu import layouts, simd
 from edgekv.quants import BY_NAME, QUANT_TYPES
 
 ALL = [QUANT_TYPES[q].name for q in qm.SUPPORTED]
@@ -387,9 +387,9 @@ def test_vector_primitives(monkeypatch, isa):
 
     @numba.njit
     def lookups(idx, o16, o32, o64):  # the i-quants' table (pshufb)
-        simd.st(o16, 0, qm._IQ4(simd.ld(idx, 0, 16)))
-        simd.st(o32, 0, qm._IQ4(simd.ld(idx, 0, 32)))
-        simd.st(o64, 0, qm._IQ4(simd.ld(idx, 0, 64)))
+        simd.st(o16, 0, layouts._IQ4(simd.ld(idx, 0, 16)))
+        simd.st(o32, 0, layouts._IQ4(simd.ld(idx, 0, 32)))
+        simd.st(o64, 0, layouts._IQ4(simd.ld(idx, 0, 64)))
 
     @numba.njit
     def halves(raw, out):
