@@ -81,7 +81,7 @@ def measure(model: str, tokens: int, cpu_tokens: int, bw: float, bw_reported: fl
     ids = gpu.tokenize(PROMPT)
     greedy(gpu, ids, 4)  # compiles every kernel the model uses
     toks, tps = greedy(gpu, ids, tokens)
-    wbytes = decode_weight_bytes(gpu)
+    wbytes = decode_weight_bytes(gpu.file)
     rec = dict(model=gpu.path.name, load_s=round(load_s, 1), device_weight_gib=round(gpu.backend.weight_bytes / 2**30, 2),
                decode_tokens_per_s=round(tps, 2), weight_bytes_per_token=wbytes,
                decode_gb_per_s=round(wbytes * tps / 1e9, 1), bandwidth_share_measured=round(wbytes * tps / bw, 3))

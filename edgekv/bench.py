@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import EdgekvError
+from .gguf_file import GGUFFile
 
 KV_TO_GGML = {"f16": 1, "int8": 8, "int4": 2}  # edgekv cache type -> llama.cpp's (f16, q8_0, q4_0)
 
@@ -60,9 +61,47 @@ class Row:
         return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
 
 
+def _proc_kib(path: str, key: str) -> int | None:
+    """A "key: N kB" line of a /proc file in bytes (Linux), else None."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
+    """The process's peak resident set since the last reset_peak_rss() (Linux: VmHWM), else since start."""
+    hwm = _proc_kib("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start the peak over from the current resident set (Linux 4.0+; elsewhere nothing)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def available_memory() -> int | None:
+    """MemAvailable in bytes (Linux), else None."""
+    return _proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def in_turn(path, n_runtimes: int) -> bool:
+    """Whether the runtimes must run one after the other: llama.cpp holds its own copy of the
+    weights it repacks, so the two side by side need about twice the file in memory, and a
+    model that does not fit would be timed reading from disk."""
+    free = available_memory()
+    return n_runtimes > 1 and free is not None and 2 * os.path.getsize(path) > 0.9 * free
 
 
 def measure_read_bandwidth() -> float:
@@ -72,12 +111,12 @@ def measure_read_bandwidth() -> float:
     return read_bandwidth()
 
 
-def decode_weight_bytes(llm) -> int:
-    """Weight bytes one decode step reads: every matrix once, the embedding as one row."""
+def decode_weight_bytes(f) -> int:
+    """Weight bytes one decode step reads from GGUF file f: every matrix once, the embedding as one row."""
     total = 0
-    for name, t in llm.file.tensors.items():
+    for name, t in f.tensors.items():
         if name == "token_embd.weight":
-            total += t.raw.shape[1] + (t.nbytes if "output.weight" not in llm.file.tensors else 0)
+            total += t.raw.shape[1] + (t.nbytes if "output.weight" not in f.tensors else 0)
         else:
             total += t.nbytes
     return total
@@ -191,6 +230,27 @@ def plan(prompt: list[int], gen: list[int], depths: list[int], kvs: list[str], t
     return cases
 
 
+def _run_setup(runners, tests, reps, bg, bar, rng, wbytes) -> list[Row]:
+    """Every test of one (cache, threads) setup, the runners interleaved rep by rep."""
+    rows = []
+    for group in tests.values():
+        row_set = {c.load: [Row(c, r.name, kv_bytes=r.kv_bytes(), weight_bytes_per_token=wbytes)
+                            for r in runners] for c in group}
+        for rep in range(reps + 1):  # rep 0 warms up (JIT, page cache), quiet, not counted
+            for c in group if rep else group[:1]:
+                with bg.rep(c.load > 0):
+                    for r, row in zip(runners, row_set[c.load]):
+                        tps = r.run(c, rng)
+                        if rep:
+                            row.samples.append(tps)
+                        bar.update(1 if rep else len(group))
+        for rs in row_set.values():
+            for row in rs:
+                row.peak_rss = peak_rss_bytes()
+                rows.append(row)
+    return rows
+
+
 def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), threads=(None,), reps=3,
               compare: bool = False, progress: bool = True, seed: int = 0, background_load: int = 0) -> dict:
     """Run the matrix; returns {"rows": [...], "bandwidth": B/s, "model": ...}. threads None:
@@ -210,42 +270,34 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
             raise EdgekvError("--compare llama.cpp needs llama-cpp-python: pip install 'edgekv[compare]' "
                               "(it compiles llama.cpp, ~10 minutes)") from None
         runtimes.append(LlamaCppRunner)
-    rows, synthetic = [], False
+    rows = []
     bar = tqdm(total=len(cases) * len(runtimes) * (reps + 1), desc="bench", file=sys.stderr, disable=not progress)
     rng = np.random.default_rng(seed)
     by_setup: dict = {}
     for c in cases:  # one model load per (cache, threads); each test's loads side by side
         by_setup.setdefault((c.kv, c.threads, c.auto), {}).setdefault((c.name, c.n), []).append(c)
+    f = GGUFFile(path)
+    wbytes = decode_weight_bytes(f)
+    # `edgekv synth` files: real shapes, random weights; their speed means something, their text not
+    synthetic = bool(f.meta.get("edgekv.synthetic", False))
+    f.close()
+    # one runtime loaded at a time where the two do not fit in memory together (then not interleaved)
+    turns = [[R] for R in runtimes] if in_turn(path, len(runtimes)) else [runtimes]
     bg = BackgroundLoad(background_load)
     try:
         for (kv, t, auto), tests in by_setup.items():
-            runners = [R(path, n_ctx_need, kv, None if auto and R is EdgekvRunner else t) for R in runtimes]
-            wbytes = decode_weight_bytes(runners[0].llm)
-            # `edgekv synth` files: real shapes, random weights; their speed means something, their text not
-            synthetic = bool(runners[0].llm.file.meta.get("edgekv.synthetic", False))
-            for group in tests.values():
-                row_set = {c.load: [Row(c, r.name, kv_bytes=r.kv_bytes(), weight_bytes_per_token=wbytes)
-                                    for r in runners] for c in group}
-                for rep in range(reps + 1):  # rep 0 warms up (JIT, page cache), quiet, not counted
-                    for c in group if rep else group[:1]:
-                        with bg.rep(c.load > 0):
-                            for r, row in zip(runners, row_set[c.load]):
-                                tps = r.run(c, rng)
-                                if rep:
-                                    row.samples.append(tps)
-                                bar.update(1 if rep else len(group))
-                for rs in row_set.values():
-                    for row in rs:
-                        row.peak_rss = peak_rss_bytes()
-                        rows.append(row)
-            del runners
-            gc.collect()
+            for turn in turns:
+                reset_peak_rss()  # each row's peak is its own runtimes', not an earlier setup's
+                runners = [R(path, n_ctx_need, kv, None if auto and R is EdgekvRunner else t) for R in turn]
+                rows += _run_setup(runners, tests, reps, bg, bar, rng, wbytes)
+                del runners
+                gc.collect()
     finally:
         bg.close()
         bar.close()
     bandwidth = measure_read_bandwidth()  # last: its 1 GiB array must not count in peak RSS
     return {"rows": rows, "bandwidth": bandwidth, "model": str(path), "synthetic": synthetic,
-            "background_load": background_load}
+            "background_load": background_load, "in_turn": len(turns) > 1}
 
 
 def to_records(result: dict) -> list[dict]:
@@ -298,6 +350,8 @@ def format_table(result: dict, fmt: str = "md") -> str:
     synth = " (synthetic: real shapes, random weights; speed only)" if result.get("synthetic") else ""
     load = result.get("background_load")
     load = f"; load = busy processes beside the run ({load} or none)" if load else ""
+    if result.get("in_turn"):
+        load += "; runtimes in turn, not interleaved (the weights twice do not fit in memory)"
     head = (f"model: {result['model']}{synth}; measured read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s{load}\n"
             f"CPU kernels: {kernel_paths()}\n\n")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

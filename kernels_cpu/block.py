@@ -25,7 +25,7 @@ import numpy as np
 from numba import get_num_threads, njit
 
 from .kvquant import KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, _decode_core
-from .ops import _rmsnorm_row, _rope_token, _silu_mul_1d
+from .ops import _rmsnorm_serial, _rope_token, _silu_mul_serial
 from .qmatmul import PRE, PRE_NONE, PRE_NORM, QWeight, _qmatvec
 
 _E1 = np.empty(0, np.float32)
@@ -55,12 +55,12 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
         for c in range(qkv.shape[1]):
             qkv[0, c] += qkv_bias[c]
     qkv3 = qkv.reshape(1, H + 2 * Hkv, hd)  # (1, heads, hd) view
+    # ops' own compiled functions, not their inline rows: inlined here they would take this
+    # function's float flags (no fastmath) and differ from the op-by-op path in the last bit
     if q_norm.shape[0]:  # per head, in place: rows of the (heads, hd) view
         heads = qkv3[0]
-        for h in range(H):
-            _rmsnorm_row(heads, q_norm, eps, heads, h)
-        for h in range(H, H + Hkv):
-            _rmsnorm_row(heads, k_norm, eps, heads, h)
+        _rmsnorm_serial(heads[:H], q_norm, eps, heads[:H])
+        _rmsnorm_serial(heads[H : H + Hkv], k_norm, eps, heads[H : H + Hkv])
     cs = np.empty(inv_freq.shape[0], np.float32)
     sn = np.empty(inv_freq.shape[0], np.float32)
     _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, 0, cs, sn, mag)  # q and k: the first H + Hkv heads
@@ -85,7 +85,7 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, n_writ
     else:  # as the model's ops do it: h = silu(g) * u, h *= r, x += down(h)
         nf = gu.shape[1] // 2
         h = np.empty((1, nf), np.float32)
-        _silu_mul_1d(gu[0, :nf], gu[0, nf:], h[0])
+        _silu_mul_serial(gu[0, :nf], gu[0, nf:], h[0])
         h *= res_scale
         _qmatvec(h, wdown, tdown, o, zero, plain, e1, eps, x, post_ffw)
 

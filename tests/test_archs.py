@@ -280,11 +280,9 @@ def test_fused_block_equals_op_by_op(root, case, kind):
     assert all(b is not None for b in model.blocks)
     ids = fixture(case)["ids"][:80]
     fused, plain = _decode_logits(model, ids, kind, True), _decode_logits(model, ids, kind, False)
-    rel = np.linalg.norm(fused - plain, axis=-1) / np.linalg.norm(plain, axis=-1)
-    assert np.array_equal(fused.argmax(-1), plain.argmax(-1))
-    # the same arithmetic up to float order (~1e-7); where that order tips an int8 activation
-    # code over a rounding tie the logits move by ~5e-3 (granite f16/int8: 1 position of 72)
-    assert np.median(rel) < 1e-5 and np.mean(rel > 1e-4) <= 0.03 and rel.max() < 1e-2, (np.median(rel), rel.max())
+    # the same kernels in the same order: the same bits (a last-bit difference would tip int8
+    # activation codes over rounding ties and move logits by ~5e-3)
+    assert np.array_equal(fused, plain), np.abs(fused - plain).max()
 
 
 @pytest.mark.parametrize("case", CASES)

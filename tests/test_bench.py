@@ -80,3 +80,48 @@ def test_bench_background_load_rows_side_by_side(tmp_path, capsys):
             except OSError:
                 continue
             assert b"while True: pass" not in cmd
+
+
+def test_compare_runs_the_runtimes_in_turn_when_both_do_not_fit(tmp_path, monkeypatch):
+    """Where twice the weights do not fit in memory, --compare loads one runtime at a time (else
+    the second would be timed reading from disk); each row's peak RSS is then its own runtime's."""
+    import sys
+    import types
+    import weakref
+
+    from edgekv import bench
+    from edgekv.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "t.gguf", arch="llama", size="tiny", qtype="q4_0", progress=False)
+    alive, seen = weakref.WeakSet(), []
+
+    class Fake(bench.EdgekvRunner):  # another runtime: edgekv again, under llama.cpp's name
+        name = "llama.cpp"
+
+    def track(cls):
+        class Tracked(cls):
+            def __init__(self, *a):
+                super().__init__(*a)
+                alive.add(self)
+
+            def run(self, case, rng):
+                seen.append((self.name, len(alive)))
+                return super().run(case, rng)
+        return Tracked
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    monkeypatch.setattr(bench, "LlamaCppRunner", track(Fake))
+    monkeypatch.setattr(bench, "EdgekvRunner", track(bench.EdgekvRunner))
+    monkeypatch.setattr(bench, "available_memory", lambda: path.stat().st_size)  # room for one copy
+    result = bench.run_bench(path, prompt=(8,), gen=(2,), reps=1, threads=(1,), compare=True, progress=False)
+    assert result["in_turn"] and "in turn" in bench.format_table(result)
+    assert [n for n, _ in seen] == ["edgekv"] * 4 + ["llama.cpp"] * 4  # warm-up and rep of pp8, tg2
+    assert {k for _, k in seen} == {1}  # never both loaded
+    assert {r.runtime for r in result["rows"]} == {"edgekv", "llama.cpp"}
+    assert all(r.peak_rss > 0 for r in result["rows"])
+
+    monkeypatch.setattr(bench, "available_memory", lambda: 64 * path.stat().st_size)
+    seen.clear()
+    assert not bench.run_bench(path, prompt=(8,), gen=(2,), reps=1, threads=(1,), compare=True,
+                               progress=False)["in_turn"]
+    assert [n for n, _ in seen][:2] == ["edgekv", "llama.cpp"]  # interleaved rep by rep
