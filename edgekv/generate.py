@@ -14,6 +14,8 @@ import numpy as np
 from .errors import EdgekvError
 from .sampling import Sampler
 
+UBATCH = 512  # prefill chunk: bounds activation memory, and the attention working set
+
 
 @dataclass
 class Event:
@@ -72,7 +74,7 @@ class Sequence:
         self.llm = llm
         self.cache = llm.new_cache()
         self.tokens: list[int] = []
-        self._serial = _serial_lock(llm)
+        self._serial = getattr(llm.backend, "serial", _NO_DEFER)  # the backend's: forward passes may take turns
 
     def feed(self, ids: Seq[int], cancel: threading.Event | None = None) -> np.ndarray | None:
         """Append ids, run them through the model; the logits (n_vocab,) after the last one.
@@ -107,8 +109,6 @@ class Sequence:
         ring slots act as attention sinks, so while a ring still lacks its sinks the first chunk
         stops where that ring is full: the sinks are stored before anything is evicted, and a
         prompt longer than the context sees the same sinks + recent window as token-by-token."""
-        from .llm import UBATCH
-
         n, first = len(ids), 0
         rooms = [lk.capacity - lk.n_written for lk in self.cache.layers if lk.n_written < lk.n_sink]
         if rooms and min(rooms) < n:
@@ -135,19 +135,6 @@ class Sequence:
     def reset(self) -> None:
         self.cache.reset()
         self.tokens = []
-
-
-# numba's workqueue threading layer (used when neither OpenMP nor TBB is installed) aborts the
-# process when two Python threads launch parallel kernels at once: forward passes then take turns.
-_WORKQUEUE_LOCK = threading.Lock()
-
-
-def _serial_lock(llm):
-    if getattr(llm.backend, "name", "") != "cpu":
-        return _NO_DEFER
-    import numba
-
-    return _WORKQUEUE_LOCK if numba.config.THREADING_LAYER in ("default", "workqueue") else _NO_DEFER
 
 
 class _DeferSigint:

@@ -14,11 +14,10 @@ import numpy as np
 
 from .backends import get_backend
 from .errors import ContextError, EdgekvError
-from .generate import Event
+from .generate import UBATCH, Event
 from .gguf_file import GGUFFile
 from .kvcache import KV_KINDS, KVCache, cache_bytes, capacities
 
-UBATCH = 512  # prefill chunk: bounds activation memory, and the attention working set
 _NO_STEP = contextlib.nullcontext()
 
 

@@ -1,5 +1,7 @@
 """numba CPU kernels: plain functions on arrays that know nothing of models.
 
+- simd: the vector layer (LLVM IR through @intrinsic functions) the others are written in
+- layouts: each GGML type's block decoders, and the per-type switch of the prefill ones
 - qmatmul: quantized matrix x vector/matrix straight from GGUF blocks, embedding row lookup
 - igemm: the int8 prefill GEMM (VNNI)
 - ops: RMSNorm, RoPE, gated activations, residual adds

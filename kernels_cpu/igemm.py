@@ -21,11 +21,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .qmatmul import (cat, shuffler, _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K,
-                      Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _block_iq4_nl, _block_q4_0, _block_q4_1,
-                      _block_q5_0, _block_q5_1, _block_q8_0, _part, _quants_iq4_xs, _quants_q2_k, _quants_q3_k,
-                      _quants_q4_k, _quants_q5_k, _quants_q6_k, _scales_iq4_xs, _scales_k4, _scales_q2_k,
-                      _scales_q3_k, _scales_q6_k, at, cvt, dot4acc, fma, lane, ld, splat, st, view, vmul)
+from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
+from .layouts import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _each_block, _tile_at, _tiles
+from .simd import at, cat, cvt, dot4acc, fma, lane, ld, shuffler, splat, st, view, vmul
 
 _R = 32  # rows per tile: two vectors of 16 int32 lanes
 _T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast: 27 of 32 zmm)
@@ -122,57 +120,40 @@ def _transpose(tmp, k4, o, u, uo):
 
 
 @njit(fastmath=True, inline="always")
-def _unpack_32(w, ro, nb, rr, tmp, s, mn, block, nbytes):
-    for b in range(nb):
-        q, off, d, m = block(w, ro + nbytes * b)
-        st(tmp, rr * (8 * nb) + 8 * b, view(q, np.uint32))
-        s[b * _R + rr] = d
-        mn[b * _R + rr] = m
+def _unpack_32(a, block, nbytes):
+    w, rb, r0, nr, k, tmp, s, mn = a
+    nb = k // 32
+    for rr in range(nr):
+        ro = (r0 + rr) * rb
+        for b in range(nb):
+            q, off, d, m = block(w, ro + nbytes * b)
+            st(tmp, rr * (8 * nb) + 8 * b, view(q, np.uint32))
+            s[b * _R + rr] = d
+            mn[b * _R + rr] = m
 
 
 @njit(fastmath=True, inline="always")
-def _unpack_k(w, ro, nsup, rr, tmp, s, mn, scales, quants, nbytes, sb):
+def _unpack_k(a, scales, quants, nbytes, off, sb):
+    w, rb, r0, nr, k, tmp, s, mn = a
+    nsup = k // 256
     per = 256 // sb  # sub-blocks per super-block
-    for b in range(nsup):
-        o = ro + nbytes * b
-        d, dmin, sc, mv = scales(w, o)
-        for c in range(8):
-            st(tmp, rr * (64 * nsup) + 64 * b + 8 * c, view(quants(w, o, c), np.uint32))
-        for j in range(per):
-            e = j * (16 // per)  # scales come per 16 (repeated for sub-blocks of 32)
-            s[(per * b + j) * _R + rr] = d * f32(lane(sc, e))
-            mn[(per * b + j) * _R + rr] = -dmin * f32(lane(mv, e))
+    for rr in range(nr):
+        ro = (r0 + rr) * rb
+        for b in range(nsup):
+            o = ro + nbytes * b
+            d, dmin, sc, mv = scales(w, o)
+            for c in range(8):
+                st(tmp, rr * (64 * nsup) + 64 * b + 8 * c, view(quants(w, o, c), np.uint32))
+            for j in range(per):
+                e = j * (16 // per)  # scales come per 16 (repeated for sub-blocks of 32)
+                s[(per * b + j) * _R + rr] = d * f32(lane(sc, e))
+                mn[(per * b + j) * _R + rr] = -dmin * f32(lane(mv, e))
 
 
 @njit(fastmath=True)
 def _unpack(qtype, w, rb, r0, nr, k, u, s, mn, tmp):
     """The tile's rows decoded row by row into tmp (_R, k/4), then transposed into u."""
-    for rr in range(nr):
-        ro = (r0 + rr) * rb
-        if qtype == Q4_0:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q4_0, 18)
-        elif qtype == Q4_1:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q4_1, 20)
-        elif qtype == Q5_0:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q5_0, 22)
-        elif qtype == Q5_1:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q5_1, 24)
-        elif qtype == Q8_0:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_q8_0, 34)
-        elif qtype == IQ4_NL:
-            _unpack_32(w, ro, k // 32, rr, tmp, s, mn, _block_iq4_nl, 18)
-        elif qtype == Q2_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q2_k, _quants_q2_k, 84, 16)
-        elif qtype == Q3_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q3_k, _quants_q3_k, 110, 16)
-        elif qtype == Q4_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_k4, _quants_q4_k, 144, 32)
-        elif qtype == Q5_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_k4, _quants_q5_k, 176, 32)
-        elif qtype == Q6_K:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_q6_k, _quants_q6_k, 210, 16)
-        else:
-            _unpack_k(w, ro, k // 256, rr, tmp, s, mn, _scales_iq4_xs, _quants_iq4_xs, 136, 32)
+    _each_block(qtype, _unpack_32, _unpack_k, (w, rb, r0, nr, k, tmp, s, mn))
     k4 = k // 4
     for rr in range(nr, _R):
         for g in range(k4):
@@ -289,14 +270,10 @@ def _igemm(x, ws, qtype, out, col0):
                 xo[i] = 0
                 xs[i] = 0
     xq4 = xq.view(np.uint32)
-    m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
-    t0, t1, t2 = (m0 + _R - 1) // _R, (m1 + _R - 1) // _R, (ws[2].shape[0] + _R - 1) // _R
+    rb = ws[0].shape[1]
+    t0, t1, t2 = _tiles(ws, _R)
     for item in prange(t0 + t1 + t2):
-        p, tile = _part(np.int64(item), t0, t1)
-        w = ws[p]
-        col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
-        r0 = tile * _R
-        nr = min(_R, w.shape[0] - r0)
+        w, col, r0, nr = _tile_at(ws, item, t0, t1, _R, col0)
         u = np.empty(k // 4 * _R, np.uint32)
         s = np.empty(nsb * _R, np.float32)
         mn = np.empty(nsb * _R, np.float32)

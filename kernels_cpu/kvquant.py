@@ -32,13 +32,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import get_num_threads, njit, prange, types
-from numba.extending import intrinsic
+from numba import get_num_threads, njit, prange
 
 from edgekv.kvkinds import GROUP, KINDS as _SPEC, KV_KINDS as KINDS, hadamard_block
 
-from .ops import _expf, _rope_token, _widen
+from .ops import _expf, _rope_token
+from .simd import deq32_f16 as _deq32_f16, deq32_f16_eo as _deq32_f16_eo, deq32_i4 as _deq32_i4, deq32_i8 as _deq32_i8
+from .simd import narrow as _narrow, widen as _widen
 
 
 # Work (n_query * n_head * n_slot * head_dim) from which attention runs on the thread pool;
@@ -71,19 +71,6 @@ def kv_arrays(kind: str, cap: int, n_head_kv: int, head_dim: int) -> tuple[np.nd
 # --- scalar helpers -------------------------------------------------------------------
 
 
-@intrinsic
-def _narrow(typingctx, x):
-    """IEEE half bits (uint16) of a float32, rounded to nearest even like numpy's
-    astype(float16); LLVM emits vcvtps2ph."""
-    if x == types.float32:
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-        return types.uint16(x), codegen
-    return None
-
-
 @njit(inline="always", **_KERNEL)
 def _fwht(x, B):
     """Normalized Walsh-Hadamard transform in place on each block of B values of x (hd,)
@@ -111,88 +98,6 @@ def _fwht(x, B):
 
 _F16, _INT8, _INT4 = 0, 1, 2  # KINDS' order
 _KIND_ID = {name: i for i, name in enumerate(KINDS)}
-
-
-# LLVM fully unrolls a 32-value loop and then cannot vectorize it (it cannot tell the
-# int8 loads from the float32 stores apart), so one group is dequantized by hand-written
-# vector IR: load, widen, scale, store; e.g. vpmovsxbd + vcvtdq2ps + vmulps for int8.
-_I32 = ir.IntType(32)
-_VF32 = ir.VectorType(ir.FloatType(), 32)
-
-
-def _vec_ptr(context, builder, aryty, ary, off, vt):
-    """Pointer to a vector of type vt at flat element offset off of a C-contiguous array."""
-    data = context.make_array(aryty)(context, builder, ary).data
-    return builder.bitcast(builder.gep(data, [off]), vt.as_pointer())
-
-
-def _splat(builder, x, n):
-    vt = ir.VectorType(x.type, n)
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
-
-
-@intrinsic
-def _deq32_f16(typingctx, src, so, dst, do):
-    """dst.flat[do:do+32] = src.flat[so:so+32], src uint16 half bits."""
-
-    def codegen(context, builder, sig, args):
-        x = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 32)), align=2)
-        y = builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), 32)), _VF32)
-        builder.store(y, _vec_ptr(context, builder, sig.args[2], args[2], args[3], _VF32), align=4)
-        return context.get_dummy_value()
-
-    return types.void(src, so, dst, do), codegen
-
-
-@intrinsic
-def _deq32_f16_eo(typingctx, src, so, dst, do):
-    """As _deq32_f16 into kernel order for int4 rows: the 16 even values, then the 16 odd ones."""
-
-    def codegen(context, builder, sig, args):
-        x = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 32)), align=2)
-        y = builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), 32)), _VF32)
-        order = ir.Constant(ir.VectorType(_I32, 32), [2 * i for i in range(16)] + [2 * i + 1 for i in range(16)])
-        y = builder.shuffle_vector(y, ir.Constant(_VF32, ir.Undefined), order)
-        builder.store(y, _vec_ptr(context, builder, sig.args[2], args[2], args[3], _VF32), align=4)
-        return context.get_dummy_value()
-
-    return types.void(src, so, dst, do), codegen
-
-
-@intrinsic
-def _deq32_i8(typingctx, src, so, d, dst, do):
-    """dst.flat[do:do+32] = src.flat[so:so+32] * d, src int8."""
-
-    def codegen(context, builder, sig, args):
-        x = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), 32)), align=1)
-        y = builder.fmul(builder.sitofp(x, _VF32), _splat(builder, args[2], 32))
-        builder.store(y, _vec_ptr(context, builder, sig.args[3], args[3], args[4], _VF32), align=4)
-        return context.get_dummy_value()
-
-    return types.void(src, so, d, dst, do), codegen
-
-
-@intrinsic
-def _deq32_i4(typingctx, src, so, d, dst, do):
-    """dst.flat[do:do+16] = (low nibbles - 8) * d and dst.flat[do+16:do+32] = (high
-    nibbles - 8) * d of the 16 bytes src.flat[so:so+16] (kernel order)."""
-
-    def codegen(context, builder, sig, args):
-        vi8 = ir.VectorType(ir.IntType(8), 16)
-        vi32 = ir.VectorType(_I32, 16)
-        vf = ir.VectorType(ir.FloatType(), 16)
-        x = builder.zext(builder.load(_vec_ptr(context, builder, sig.args[0], args[0], args[1], vi8), align=1), vi32)
-        eight = ir.Constant(vi32, [8] * 16)
-        lo = builder.sub(builder.and_(x, ir.Constant(vi32, [15] * 16)), eight)
-        hi = builder.sub(builder.lshr(x, ir.Constant(vi32, [4] * 16)), eight)
-        dv = _splat(builder, args[2], 16)
-        dst = _vec_ptr(context, builder, sig.args[3], args[3], args[4], vf)
-        builder.store(builder.fmul(builder.sitofp(lo, vf), dv), dst, align=4)
-        builder.store(builder.fmul(builder.sitofp(hi, vf), dv), builder.gep(dst, [ir.Constant(_I32, 1)]), align=4)
-        return context.get_dummy_value()
-
-    return types.void(src, so, d, dst, do), codegen
 
 
 @njit(inline="always", **_KERNEL)

@@ -7,7 +7,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from . import qmatmul as qm
+from . import simd
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -18,16 +18,16 @@ def _read_all(a, n_chunks):
     part = np.zeros(n_chunks, np.float32)
     step = a.size // n_chunks // 64 * 64
     for c in prange(n_chunks):
-        a0 = qm.splat(np.float32(0), 16)
+        a0 = simd.splat(np.float32(0), 16)
         a1, a2, a3 = a0, a0, a0
         i = c * step
         while i < c * step + step:
-            a0 = qm.vadd(a0, qm.ld(a, i, 16))
-            a1 = qm.vadd(a1, qm.ld(a, i + 16, 16))
-            a2 = qm.vadd(a2, qm.ld(a, i + 32, 16))
-            a3 = qm.vadd(a3, qm.ld(a, i + 48, 16))
+            a0 = simd.vadd(a0, simd.ld(a, i, 16))
+            a1 = simd.vadd(a1, simd.ld(a, i + 16, 16))
+            a2 = simd.vadd(a2, simd.ld(a, i + 32, 16))
+            a3 = simd.vadd(a3, simd.ld(a, i + 48, 16))
             i += 64
-        part[c] = qm.hsum(qm.vadd(qm.vadd(a0, a1), qm.vadd(a2, a3)))
+        part[c] = simd.hsum(simd.vadd(simd.vadd(a0, a1), simd.vadd(a2, a3)))
     return part.sum()
 
 

@@ -1,5 +1,5 @@
 """The non-matmul kernels of the forward pass: norms, rotary embedding, gated activations and
-residual adds, plus the float helpers (`_expf`, `_widen`) that kvquant's attention shares.
+residual adds, plus `_expf`, which kvquant's attention shares.
 Attention itself lives in kvquant.py, over f16, int8 and int4 rings alike.
 
 Inputs are float32 arrays and should be C-contiguous: the
@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import get_num_threads, njit, prange, types
-from numba.extending import intrinsic
+from numba import get_num_threads, njit, prange
+
+from .simd import bits_as_f32
 
 # Sizes (elements) from which the parallel core won on a 2-core znver4, where waking the pool costs ~2.5 us; below them, serial.
 ELEMENTWISE_PAR_MIN = 1 << 16  # silu_mul, gelu_mul
@@ -40,37 +40,6 @@ _KERNEL = dict(cache=True, error_model="numpy", fastmath=_FM)
 
 
 # --- scalar helpers -------------------------------------------------------------------
-
-
-@intrinsic
-def _widen(typingctx, x):
-    """float32 from a KV cache element: uint16 holds IEEE half bits (numba has no float16
-    type on CPU); LLVM turns the fpext into vcvtph2ps, exact for every half value."""
-    if x == types.uint16:
-
-        def codegen(context, builder, sig, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-        return types.float32(x), codegen
-    if x == types.float32:
-
-        def codegen(context, builder, sig, args):
-            return args[0]
-
-        return types.float32(x), codegen
-    return None
-
-
-@intrinsic
-def _bits_as_f32(typingctx, x):
-    """Reinterpret int32 bits as float32 (builds 2**n for _expf)."""
-    if x == types.int32:
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.FloatType())
-
-        return types.float32(x), codegen
-    return None
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -96,7 +65,7 @@ def _expf(x):
     r = x - n * _LN2_HI - n * _LN2_LO
     p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
     y = p * r * r + r + _F1
-    return y * _bits_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+    return y * bits_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
 # --- rmsnorm --------------------------------------------------------------------------

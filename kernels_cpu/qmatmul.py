@@ -19,36 +19,36 @@ matrix; rows are decoded a block at a time, in registers.
   tile of rows x 32 tokens accumulates over k with broadcast-FMA (float32 throughout).
 - dequantize_rows(w, qtype, rows, out): float32 rows (embedding lookup), same block decoders.
 
-numba's loop vectorizer does not vectorize these loops (short per-block loops over array-of-
-struct blocks), so the kernels use a small vector layer (Vec: an LLVM vector value held in
-registers, operated on by @intrinsic functions). It emits target-neutral LLVM vector IR, except
-for a few x86 integer-product instructions chosen from the host's features with generic
-fallbacks; LLVM picks AVX-512/AVX2/NEON code.
+Blocks are decoded in registers with the vector layer of simd.py (Vec values, @intrinsic
+functions).
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import platform
 
-import llvmlite.binding as llvm
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba import njit, prange
 
+from edgekv import quants as qt
 from edgekv.errors import EdgekvError, UnsupportedModelError
-from edgekv.quants import KVALUES_IQ4NL, QUANT_TYPES
+from edgekv.quants import QUANT_TYPES
 
-from . import ops
+from . import igemm, ops
+from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_Q4_1, _NB_Q4_K, _NB_Q5_0, _NB_Q5_1,
+                      _NB_Q5_K, _NB_Q6_K, _NB_Q8_0, _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K,
+                      BF16, F16, F32, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+                      _block_iq4_nl, _block_q4_0, _block_q4_1, _block_q5_0, _block_q5_1, _block_q8_0,
+                      _each_block, _half_iq4_xs, _load_bf16, _load_f16, _load_f32, _pair_q2_k, _pair_q3_k, _pair_q6_k,
+                      _quad_iq4_nl, _quad_q4_0, _quad_q4_1, _quad_q4_k, _quad_q5_0, _quad_q5_1, _quad_q5_k, _quad_q8_0,
+                      _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
+from .simd import (_PMADDUBSW, _VPDPBUSD, at, cat, cvt, dot4, dot4acc, fma, half, hmax, hsum, lane, ld, ld_f16, madd,
+                   madd_acc, maddubs, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax, vmul, vrint,
+                   vsub)
 
-# GGML type ids (edgekv/quants.py is the table; repeated here as compile-time constants).
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
-SUPPORTED = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
-_FLOAT_TYPES = (F32, F16, BF16)
+SUPPORTED = qt.CPU_TYPES
+_FLOAT_TYPES = qt.FLOAT_TYPES
 
 # What a matmul does to its input first (qmatmul's `pre`): nothing, rmsnorm, or a gated activation.
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
@@ -60,485 +60,6 @@ _TOK = 32
 
 f32, i16, i32 = np.float32, np.int16, np.int32
 
-
-# ---------------------------------------------------------------------------------------------
-# Vector layer: Vec(dtype, n) is an LLVM <n x dtype> value; the functions below are intrinsics.
-# ---------------------------------------------------------------------------------------------
-class Vec(types.Type):
-    def __init__(self, dtype, n):
-        self.dtype, self.n = dtype, n
-        super().__init__(name=f"Vec({dtype}x{n})")
-
-
-@register_model(Vec)
-class _VecModel(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        elem = dmm.lookup(fe_type.dtype).get_value_type()
-        super().__init__(dmm, fe_type, ir.VectorType(elem, fe_type.n))
-
-
-_I32 = ir.IntType(32)
-_FAST = ("fast",)
-try:  # what numba compiles for: the host CPU
-    _FEATURES = dict(llvm.get_host_cpu_features())
-except RuntimeError:  # LLVM cannot tell on some hosts: generic code only
-    _FEATURES = {}
-# Use the hardware half->float conversion (vcvtph2ps, fcvt) where LLVM lowers it inline.
-_machine = platform.machine().lower()
-_NATIVE_F16 = (_machine in ("x86_64", "amd64") and bool(_FEATURES.get("f16c"))) or _machine in ("arm64", "aarch64")
-
-
-def _lanes(n, fn):
-    return ir.Constant(ir.VectorType(_I32, n), [fn(i) for i in range(n)])
-
-
-def _elem_ptr(context, builder, arrty, arr, idx, idxty):
-    data = context.make_array(arrty)(context, builder, arr).data
-    return builder.gep(data, [context.cast(builder, idx, idxty, types.intp)])
-
-
-def _splat_ir(builder, val, n):
-    vt = ir.VectorType(val.type, n)
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), _lanes(n, lambda i: 0))
-
-
-def _half_to_float(builder, h):
-    """h: i16 or <n x i16> holding IEEE halves -> float / <n x float>."""
-    n = h.type.count if isinstance(h.type, ir.VectorType) else None
-    vec = (lambda t: ir.VectorType(t, n)) if n else (lambda t: t)
-    if _NATIVE_F16:
-        return builder.fpext(builder.bitcast(h, vec(ir.HalfType())), vec(ir.FloatType()))
-    c = (lambda v: ir.Constant(vec(_I32), [v] * n)) if n else (lambda v: ir.Constant(_I32, v))
-    x = builder.zext(h, vec(_I32))
-    sign = builder.shl(builder.and_(x, c(0x8000)), c(16))
-    em = builder.and_(x, c(0x7FFF))
-    normal = builder.add(builder.shl(em, c(13)), c(112 << 23))
-    special = builder.or_(builder.shl(em, c(13)), c(0x7F800000))
-    bits = builder.select(builder.icmp_unsigned(">=", em, c(0x7C00)), special, normal)
-    fvec = vec(ir.FloatType())
-    sub = builder.fmul(builder.uitofp(em, fvec), builder.bitcast(c(103 << 23), fvec))  # em * 2**-24
-    sub_bits = builder.bitcast(sub, vec(_I32))
-    bits = builder.select(builder.icmp_unsigned("<", em, c(0x400)), sub_bits, bits)
-    return builder.bitcast(builder.or_(bits, sign), fvec)
-
-
-def _load(builder, ptr, llty):
-    return builder.load(builder.bitcast(ptr, llty.as_pointer()), align=1)
-
-
-@intrinsic
-def ld(typingctx, arr, i, n):
-    """Vec of n elements arr[i:i+n]."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    vt = Vec(arr.dtype, n.literal_value)
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        return _load(builder, ptr, context.get_value_type(vt))
-
-    return vt(arr, i, n), codegen
-
-
-@intrinsic
-def at(typingctx, arr, i):
-    """arr[i] for a non-negative i (no wraparound test: hot loops index with computed offsets)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]))
-
-    return arr.dtype(arr, i), codegen
-
-
-@intrinsic
-def st(typingctx, arr, i, v):
-    """arr[i:i+n] = v."""
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return types.none(arr, i, v), codegen
-
-
-@intrinsic
-def prefetch(typingctx, arr, i):
-    """Hint: the cache line of arr[i] will be read soon (never faults, even past the end). Into L2
-    (prefetcht2): into L1 the Q4_K_M 7B matvecs streamed at 0.81x, Q4_0's the same."""
-
-    def codegen(context, builder, sig, args):
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.bitcast(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), i8p)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 1), ir.Constant(_I32, 1)])  # read, to L2
-        return context.get_dummy_value()
-
-    return types.none(arr, i), codegen
-
-
-def _make_ld_float(kind):
-    @intrinsic
-    def ldf(typingctx, arr, byte, n):
-        if not isinstance(n, types.IntegerLiteral):
-            return None
-        cnt = n.literal_value
-        vt = Vec(types.float32, cnt)
-
-        def codegen(context, builder, sig, args):
-            ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            if kind == "f32":
-                return _load(builder, ptr, ir.VectorType(ir.FloatType(), cnt))
-            h = _load(builder, ptr, ir.VectorType(ir.IntType(16), cnt))
-            if kind == "f16":
-                return _half_to_float(builder, h)
-            i32v = ir.VectorType(_I32, cnt)
-            wide = builder.shl(builder.zext(h, i32v), ir.Constant(i32v, [16] * cnt))  # bf16: top half
-            return builder.bitcast(wide, ir.VectorType(ir.FloatType(), cnt))
-
-        return vt(arr, byte, n), codegen
-
-    return ldf
-
-
-ld_f32 = _make_ld_float("f32")  # n float32 at byte offset of a uint8 array
-ld_f16 = _make_ld_float("f16")  # n float16 -> float32
-ld_bf16 = _make_ld_float("bf16")  # n bfloat16 -> float32
-
-
-@intrinsic
-def half(typingctx, arr, byte):
-    """The float16 at arr[byte:byte+2] (little-endian) as float32."""
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        return _half_to_float(builder, _load(builder, ptr, ir.IntType(16)))
-
-    return types.float32(arr, byte), codegen
-
-
-@intrinsic
-def half2(typingctx, arr, byte):
-    """The two float16 at arr[byte:byte+4] as a pair of float32 (one conversion)."""
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        f = _half_to_float(builder, _load(builder, ptr, ir.VectorType(ir.IntType(16), 2)))
-        pair = [builder.extract_element(f, ir.Constant(_I32, i)) for i in range(2)]
-        return context.make_tuple(builder, sig.return_type, pair)
-
-    return types.UniTuple(types.float32, 2)(arr, byte), codegen
-
-
-@intrinsic
-def word(typingctx, arr, byte):
-    """The little-endian uint32 at arr[byte:byte+4]."""
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        return _load(builder, ptr, ir.IntType(32))
-
-    return types.uint32(arr, byte), codegen
-
-
-@intrinsic
-def pack2(typingctx, a, b):
-    """Vec(uint64, 2) of two integers (their low 64 bits)."""
-
-    def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        v = ir.Constant(ir.VectorType(i64, 2), ir.Undefined)
-        for j, (x, t) in enumerate(zip(args, sig.args)):
-            v = builder.insert_element(v, context.cast(builder, x, t, types.uint64), ir.Constant(_I32, j))
-        return v
-
-    return Vec(types.uint64, 2)(a, b), codegen
-
-
-@intrinsic
-def bits(typingctx, arr, byte, n):
-    """Vec(uint8, n): lane j = bit j of the little-endian bit string at arr[byte:]."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    cnt = n.literal_value
-    vt = Vec(types.uint8, cnt)
-
-    def codegen(context, builder, sig, args):
-        i8 = ir.IntType(8)
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        raw = _load(builder, ptr, ir.VectorType(i8, cnt // 8))
-        spread = builder.shuffle_vector(raw, raw, _lanes(cnt, lambda j: j >> 3))
-        mask = ir.Constant(ir.VectorType(i8, cnt), [1 << (j & 7) for j in range(cnt)])
-        hit = builder.icmp_unsigned("!=", builder.and_(spread, mask), ir.Constant(ir.VectorType(i8, cnt), [0] * cnt))
-        return builder.zext(hit, ir.VectorType(i8, cnt))
-
-    return vt(arr, byte, n), codegen
-
-
-def testbits(*mask):
-    """An intrinsic f(v) -> Vec(uint8): lane i = 1 if v[i] & mask[i] else 0 (v: uint8 lanes)."""
-
-    @intrinsic
-    def test(typingctx, v):
-        def codegen(context, builder, sig, args):
-            vt = ir.VectorType(ir.IntType(8), len(mask))
-            picked = builder.and_(args[0], ir.Constant(vt, list(mask)))
-            hit = builder.icmp_unsigned("!=", picked, ir.Constant(vt, [0] * len(mask)))
-            return builder.zext(hit, vt)
-
-        return v(v), codegen
-
-    return test
-
-
-def _cast(builder, val, src, dst, llty):
-    if isinstance(dst, types.Float):
-        if isinstance(src, types.Float):
-            return builder.fpext(val, llty) if dst.bitwidth > src.bitwidth else val
-        return builder.sitofp(val, llty) if src.signed else builder.uitofp(val, llty)
-    if isinstance(src, types.Float):  # float -> int: truncation toward zero (round first: vrint)
-        return builder.fptosi(val, llty)
-    if src.bitwidth < dst.bitwidth:
-        return builder.sext(val, llty) if src.signed else builder.zext(val, llty)
-    if src.bitwidth > dst.bitwidth:
-        return builder.trunc(val, llty)
-    return val
-
-
-@intrinsic
-def cvt(typingctx, v, dtype):
-    """Element-wise conversion: integer widening/narrowing (sign from the source), int -> float,
-    float -> int (toward zero)."""
-    dst = dtype.dtype if isinstance(dtype, types.NumberClass) else dtype
-    vt = Vec(dst, v.n)
-
-    def codegen(context, builder, sig, args):
-        return _cast(builder, args[0], v.dtype, dst, context.get_value_type(vt))
-
-    return vt(v, dtype), codegen
-
-
-@intrinsic
-def view(typingctx, v, dtype):
-    """The same bits as a Vec of another element type (lane count scales)."""
-    dst = dtype.dtype if isinstance(dtype, types.NumberClass) else dtype
-    vt = Vec(dst, v.n * v.dtype.bitwidth // dst.bitwidth)
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], context.get_value_type(vt))
-
-    return vt(v, dtype), codegen
-
-
-@intrinsic
-def lane(typingctx, v, i):
-    """Lane i of v (a constant i after inlining lets LLVM fold lane + splat into one shuffle)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
-
-    return v.dtype(v, i), codegen
-
-
-def shuffler(*mask):
-    """An intrinsic f(v) -> Vec whose lane i is v's lane mask[i] (a constant permutation)."""
-
-    @intrinsic
-    def shuffle(typingctx, v):
-        vt = Vec(v.dtype, len(mask))
-
-        def codegen(context, builder, sig, args):
-            return builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(_I32, len(mask)), list(mask)))
-
-        return vt(v), codegen
-
-    return shuffle
-
-
-def shuffler2(*mask):
-    """An intrinsic f(a, b) -> Vec whose lane i is lane mask[i] of a's lanes followed by b's."""
-
-    @intrinsic
-    def shuffle(typingctx, a, b):
-        vt = Vec(a.dtype, len(mask))
-
-        def codegen(context, builder, sig, args):
-            return builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(_I32, len(mask)), list(mask)))
-
-        return vt(a, b), codegen
-
-    return shuffle
-
-
-@intrinsic
-def opaque(typingctx, v):
-    """v, through an empty asm statement where vpermw exists (AVX-512 BW): LLVM cannot see where
-    it came from. Scale vectors widened from bytes and then shuffled per use would otherwise have
-    each shuffle moved before the widening: a byte shuffle plus a widening per use, not one vpermw."""
-
-    def codegen(context, builder, sig, args):
-        x = args[0]
-        return builder.asm(ir.FunctionType(x.type, [x.type]), "", "=v,0", [x], False) if _PERMW else x
-
-    return v(v), codegen
-
-
-@intrinsic
-def h2f(typingctx, v):
-    """Vec(uint16 or int16) of float16 bit patterns -> Vec(float32)."""
-    vt = Vec(types.float32, v.n)
-
-    def codegen(context, builder, sig, args):
-        return _half_to_float(builder, args[0])
-
-    return vt(v), codegen
-
-
-@intrinsic
-def splat(typingctx, s, n):
-    """Vec of n copies of scalar s."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    vt = Vec(s, n.literal_value)
-
-    def codegen(context, builder, sig, args):
-        return _splat_ir(builder, args[0], vt.n)
-
-    return vt(s, n), codegen
-
-
-def _make_binop(fop, iop):
-    @intrinsic
-    def op(typingctx, a, b):
-        if not isinstance(a, Vec):
-            return None
-
-        def codegen(context, builder, sig, args):
-            x, y = args
-            if not isinstance(sig.args[1], Vec):  # scalar operand: broadcast in a's type
-                y = _splat_ir(builder, context.cast(builder, y, sig.args[1], a.dtype), a.n)
-            if isinstance(a.dtype, types.Float):
-                return getattr(builder, fop)(x, y, flags=_FAST)
-            return getattr(builder, iop)(x, y)
-
-        return a(a, b), codegen
-
-    return op
-
-
-vadd = _make_binop("fadd", "add")
-vsub = _make_binop("fsub", "sub")
-vmul = _make_binop("fmul", "mul")
-vand = _make_binop(None, "and_")
-vor = _make_binop(None, "or_")
-vshr = _make_binop(None, "lshr")  # logical shift: use on unsigned lanes
-vshl = _make_binop(None, "shl")
-
-
-def _make_float_fn(name, doc):
-    @intrinsic
-    def fn(typingctx, a):
-        def codegen(context, builder, sig, args):
-            f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(args[0].type, [args[0].type]),
-                                               f"llvm.{name}.v{a.n}f32")
-            return builder.call(f, [args[0]])
-
-        return a(a), codegen
-
-    fn.__doc__ = doc
-    return fn
-
-
-vabs = _make_float_fn("fabs", "|a| (float lanes)")
-vrint = _make_float_fn("rint", "a rounded to the nearest integer, ties to even (float lanes; np.rint)")
-
-
-@intrinsic
-def vmax(typingctx, a, b):
-    """Lane-wise maximum (float lanes; no NaN handling)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.select(builder.fcmp_ordered(">", args[0], args[1], flags=_FAST), args[0], args[1])
-
-    return a(a, b), codegen
-
-
-def _tree(builder, x, n, combine):
-    """Lane 0 of x (n lanes) folded in halves with combine(builder, lo, hi) (tree order)."""
-    while n > 1:
-        n //= 2
-        lo = builder.shuffle_vector(x, x, _lanes(n, lambda i: i))
-        hi = builder.shuffle_vector(x, x, _lanes(n, lambda i: i + n))
-        x = combine(builder, lo, hi)
-    return builder.extract_element(x, ir.Constant(_I32, 0))
-
-
-@intrinsic
-def hmax(typingctx, v):
-    """Largest lane (float lanes, tree order)."""
-
-    def codegen(context, builder, sig, args):
-        def bigger(b, lo, hi):
-            return b.select(b.fcmp_ordered(">", lo, hi, flags=_FAST), lo, hi)
-
-        return _tree(builder, args[0], v.n, bigger)
-
-    return v.dtype(v), codegen
-
-
-@intrinsic
-def fma(typingctx, a, b, c):
-    """a * b + c (fast-math: LLVM fuses it)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.fadd(builder.fmul(args[0], args[1], flags=_FAST), args[2], flags=_FAST)
-
-    return a(a, b, c), codegen
-
-
-@intrinsic
-def cat(typingctx, a, b):
-    """Concatenation of two Vecs of the same type."""
-    vt = Vec(a.dtype, 2 * a.n)
-
-    def codegen(context, builder, sig, args):
-        return builder.shuffle_vector(args[0], args[1], _lanes(vt.n, lambda i: i))
-
-    return vt(a, b), codegen
-
-
-# Integer products. On x86 they call the instructions' intrinsics (written as generic IR, LLVM
-# sees e.g. that Q4_K's products are non-negative, rewrites the sign extensions and loses the
-# pmaddwd pattern); elsewhere generic IR with the same results (no saturation occurs: every
-# caller keeps |pair sums| < 2**15).
-def _x86(*needs):
-    return all(_FEATURES.get(f) for f in needs)
-
-
-# operand lanes -> the instruction's LLVM intrinsic, where the host has it
-_PMADDWD = {n: name for n, name, ok in (
-    (32, "llvm.x86.avx512.pmaddw.d.512", _x86("avx512bw")),
-    (16, "llvm.x86.avx2.pmadd.wd", _x86("avx2")),
-) if ok}
-_PMADDUBSW = {n: name for n, name, ok in (
-    (64, "llvm.x86.avx512.pmaddubs.w.512", _x86("avx512bw")),
-    (32, "llvm.x86.avx2.pmadd.ub.sw", _x86("avx2")),
-) if ok}
-_VPDPBUSD = {n: name for n, name, ok in (
-    (64, "llvm.x86.avx512.vpdpbusd.512", _x86("avx512vnni", "avx512bw")),
-    (32, "llvm.x86.avx512.vpdpbusd.256", _x86("avx512vnni", "avx512vl") or _x86("avxvnni")),
-) if ok}
-_VPDPWSSD = {n: name for n, name, ok in (
-    (32, "llvm.x86.avx512.vpdpwssd.512", _x86("avx512vnni", "avx512bw")),
-) if ok}
-_PERMW = {n: "vpermw" for n, ok in ((32, _x86("avx512bw")),) if ok}  # see opaque
-_PSHUFB = {n: name for n, name, ok in (
-    (64, "llvm.x86.avx512.pshuf.b.512", _x86("avx512bw")),
-    (32, "llvm.x86.avx2.pshuf.b", _x86("avx2")),
-    (16, "llvm.x86.ssse3.pshuf.b.128", _x86("ssse3")),
-) if ok}
 
 # Prefill on integer products where vpdpbusd exists; without it float FMAs are faster than the
 # integer products' emulation (pmaddubsw saturates on 8-bit quants). EDGEKV_PREFILL=float (or
@@ -568,151 +89,6 @@ def kernel_paths() -> str:
     pre = (f"int8 GEMM ({dots})" if INT8_PREFILL else
            "float32 FMA tiles (" + ("EDGEKV_PREFILL=float" if _VPDPBUSD else "no VNNI") + ")")
     return f"decode int8 dots ({dots}); prefill {pre}"
-
-
-def _call(builder, name, ret, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
-
-
-def _halves(builder, a, b, n, fn):
-    """fn on the two halves of (a, b) -> concatenated results (AVX2: 256-bit at a time)."""
-    pick = [_lanes(n // 2, lambda i, h=h: i + h * (n // 2)) for h in range(2)]
-    r = [fn(builder, builder.shuffle_vector(a, a, p), builder.shuffle_vector(b, b, p), n // 2) for p in pick]
-    return builder.shuffle_vector(r[0], r[1], _lanes(2 * r[0].type.count, lambda i: i))
-
-
-def _pairs(builder, v, n):
-    """Adjacent lanes of v (n lanes) summed -> n/2 lanes."""
-    even = builder.shuffle_vector(v, v, _lanes(n // 2, lambda i: 2 * i))
-    odd = builder.shuffle_vector(v, v, _lanes(n // 2, lambda i: 2 * i + 1))
-    return builder.add(even, odd)
-
-
-def _madd_ir(builder, a, b, n):
-    """int16 x int16 (n lanes) -> int32 (n/2), adjacent products summed."""
-    if n in _PMADDWD:
-        return _call(builder, _PMADDWD[n], ir.VectorType(_I32, n // 2), [a, b])
-    if n > 16 and 16 in _PMADDWD:
-        return _halves(builder, a, b, n, _madd_ir)
-    wide = ir.VectorType(_I32, n)
-    return _pairs(builder, builder.mul(builder.sext(a, wide), builder.sext(b, wide)), n)
-
-
-def _madd_acc_ir(builder, acc, a, b, n):
-    """acc + _madd_ir(a, b) (vpdpwssd: LLVM does not always fuse the two)."""
-    if n in _VPDPWSSD:
-        i32v = ir.VectorType(_I32, n // 2)
-        return _call(builder, _VPDPWSSD[n], i32v, [acc, builder.bitcast(a, i32v), builder.bitcast(b, i32v)])
-    return builder.add(acc, _madd_ir(builder, a, b, n))
-
-
-def _maddubs_ir(builder, a, b, n):
-    """uint8 x int8 (n lanes) -> int16 (n/2), adjacent products summed."""
-    if n in _PMADDUBSW:
-        return _call(builder, _PMADDUBSW[n], ir.VectorType(ir.IntType(16), n // 2), [a, b])
-    if n > 32 and 32 in _PMADDUBSW:
-        return _halves(builder, a, b, n, _maddubs_ir)
-    wide = ir.VectorType(ir.IntType(16), n)
-    return _pairs(builder, builder.mul(builder.zext(a, wide), builder.sext(b, wide)), n)
-
-
-def _dot4_ir(builder, a, b, n, acc=None):
-    """uint8 x int8 (n lanes) -> int32 (n/4), groups of 4 adjacent products summed, plus acc
-    (vpdpbusd)."""
-    i32v = ir.VectorType(_I32, n // 4)
-    if n in _VPDPBUSD:
-        acc = acc if acc is not None else ir.Constant(i32v, [0] * (n // 4))
-        return _call(builder, _VPDPBUSD[n], i32v, [acc, builder.bitcast(a, i32v), builder.bitcast(b, i32v)])
-    if n > 32 and 32 in _VPDPBUSD:
-        r = _halves(builder, a, b, n, _dot4_ir)
-    else:  # exact for all uint8 x int8 (pmaddubsw could saturate): widen, pmaddwd, pair up
-        wide = ir.VectorType(ir.IntType(16), n)
-        r = _pairs(builder, _madd_ir(builder, builder.zext(a, wide), builder.sext(b, wide), n), n // 2)
-    return r if acc is None else builder.add(acc, r)
-
-
-def _lut_ir(builder, table, idx, n):
-    """Lane i = table[idx[i]] for a 16-entry byte table and lanes idx < 16: pshufb (the table
-    repeated in every 128-bit lane), elsewhere one lane at a time."""
-    i8 = ir.IntType(8)
-    vals = [v - 256 if v > 127 else v for v in table]
-    if n in _PSHUFB:
-        return _call(builder, _PSHUFB[n], ir.VectorType(i8, n), [ir.Constant(ir.VectorType(i8, n), vals * (n // 16)), idx])
-    if n > 16 and n // 2 in _PSHUFB:
-        parts = [_lut_ir(builder, table, builder.shuffle_vector(idx, idx, _lanes(n // 2, lambda i, h=h: i + h * (n // 2))),
-                         n // 2) for h in range(2)]
-        return builder.shuffle_vector(parts[0], parts[1], _lanes(n, lambda i: i))
-    tv = ir.Constant(ir.VectorType(i8, 16), vals)
-    out = ir.Constant(ir.VectorType(i8, n), ir.Undefined)
-    for i in range(n):
-        j = builder.extract_element(idx, ir.Constant(_I32, i))
-        out = builder.insert_element(out, builder.extract_element(tv, j), ir.Constant(_I32, i))
-    return out
-
-
-def lut16(*table):
-    """An intrinsic f(v) -> Vec(uint8) whose lane i is table[v[i]] (16 byte values; v's lanes < 16)."""
-    assert len(table) == 16 and all(0 <= v < 256 for v in table)
-
-    @intrinsic
-    def lookup(typingctx, v):
-        def codegen(context, builder, sig, args):
-            return _lut_ir(builder, table, args[0], v.n)
-
-        return v(v), codegen
-
-    return lookup
-
-
-def _make_product(ir_fn, out_type, div, doc):
-    @intrinsic
-    def product(typingctx, a, b):
-        vt = Vec(out_type, a.n // div)
-
-        def codegen(context, builder, sig, args):
-            return ir_fn(builder, args[0], args[1], a.n)
-
-        return vt(a, b), codegen
-
-    product.__doc__ = doc
-    return product
-
-
-madd = _make_product(_madd_ir, types.int32, 2, "int16 x int16 -> int32 pair sums (pmaddwd; vpdpwssd when summed)")
-maddubs = _make_product(_maddubs_ir, types.int16, 2, "uint8 x int8 -> int16 pair sums (pmaddubsw)")
-dot4 = _make_product(_dot4_ir, types.int32, 4, "uint8 x int8 -> int32 sums of 4 (vpdpbusd)")
-
-
-@intrinsic
-def dot4acc(typingctx, acc, a, b):
-    """acc + dot4(a, b) (the accumulating form of vpdpbusd)."""
-
-    def codegen(context, builder, sig, args):
-        return _dot4_ir(builder, args[1], args[2], a.n, args[0])
-
-    return acc(acc, a, b), codegen
-
-
-@intrinsic
-def madd_acc(typingctx, acc, a, b):
-    """acc + madd(a, b) (the accumulating form of pmaddwd, vpdpwssd)."""
-
-    def codegen(context, builder, sig, args):
-        return _madd_acc_ir(builder, args[0], args[1], args[2], a.n)
-
-    return acc(acc, a, b), codegen
-
-
-@intrinsic
-def hsum(typingctx, v):
-    """Sum of the lanes (tree order)."""
-
-    def codegen(context, builder, sig, args):
-        flt = isinstance(v.dtype, types.Float)
-        return _tree(builder, args[0], v.n, lambda b, lo, hi: b.fadd(lo, hi, flags=_FAST) if flt else b.add(lo, hi))
-
-    return v.dtype(v), codegen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -777,401 +153,6 @@ def _acts_quad(xq, off, k, t, xoff):
         st(xoff, (xo >> 2) + 16 * g, vmul(dot4acc(dot4(ones, lo), ones, hi), -off))
     for i in range((xo >> 2) + 32 * (k // 128), (xo >> 2) + k // 4, 8):
         st(xoff, i, vmul(dot4(splat(np.uint8(1), 32), ld(xq, 4 * i, 32)), -off))
-
-
-# ---------------------------------------------------------------------------------------------
-# Block decoders: each type's layout is written once, here, and shared by the integer dot (decode)
-# and the float dequantization (prefill, get_rows). Quants come out as unsigned bytes (uint8 x 32,
-# elements in GGML order) so that they multiply int8 activations directly (pmaddubsw, vpdpbusd);
-# a constant offset per type restores the signed value.
-#   32-element types: the block at byte o -> (q, off, d, m) with w = d * (q - off) + m.
-#   K types (256-element super-blocks): see below.
-# ---------------------------------------------------------------------------------------------
-@njit(inline="always")
-def _nibbles(v):
-    """uint8 x 16 -> uint8 x 32: low nibbles (elements 0-15), then high nibbles (16-31). The
-    bytes are repeated in both halves (a broadcast load) and the upper half shifted by 4 (a
-    per-lane shift of 32-bit lanes): no cross-lane shuffle."""
-    shifts = cat(splat(np.uint32(0), 4), splat(np.uint32(4), 4))
-    return vand(view(vshr(view(cat(v, v), np.uint32), shifts), np.uint8), 15)
-
-
-# Q4_0: 32 elements per 18-byte block (d:f16, qs:16); e<16: qs[e]&15, e>=16: qs[e-16]>>4;
-#   w = d * (q - 8).
-@njit(inline="always")
-def _block_q4_0(row, o):
-    return _nibbles(ld(row, o + 2, 16)), 8, half(row, o), f32(0)
-
-
-# Q4_1: 32 elements per 20-byte block (d:f16, m:f16, qs:16 as Q4_0); w = d * q + m.
-@njit(inline="always")
-def _block_q4_1(row, o):
-    d, m = half2(row, o)
-    return _nibbles(ld(row, o + 4, 16)), 0, d, m
-
-
-# Q5_0: 32 elements per 22-byte block (d:f16, qh:4 little-endian, bit e = bit 4 of element e,
-#   qs:16 as Q4_0); w = d * (q - 16).
-@njit(inline="always")
-def _block_q5_0(row, o):
-    return vor(_nibbles(ld(row, o + 6, 16)), vshl(bits(row, o + 2, 32), 4)), 16, half(row, o), f32(0)
-
-
-# Q5_1: 32 elements per 24-byte block (d:f16, m:f16, qh:4, qs:16 as Q5_0); w = d * q + m.
-@njit(inline="always")
-def _block_q5_1(row, o):
-    d, m = half2(row, o)
-    return vor(_nibbles(ld(row, o + 8, 16)), vshl(bits(row, o + 4, 32), 4)), 0, d, m
-
-
-# Q8_0: 32 elements per 34-byte block (d:f16, qs:32 int8); w = d * q (here q + 128 - 128).
-@njit(inline="always")
-def _block_q8_0(row, o):
-    return vadd(ld(row, o + 2, 32), 128), 128, half(row, o), f32(0)
-
-
-# IQ4_NL: 32 elements per 18-byte block (d:f16, qs:16 nibbles as Q4_0), each an index into the
-#   non-linear table KVALUES_IQ4NL; w = d * KVALUES[q]. The table is looked up (pshufb) plus 128,
-#   so that the quants stay unsigned bytes as Q8_0's: off = 128.
-_IQ4 = lut16(*(v + 128 for v in KVALUES_IQ4NL))
-
-
-@njit(inline="always")
-def _block_iq4_nl(row, o):
-    return _IQ4(_nibbles(ld(row, o + 2, 16))), 128, half(row, o), f32(0)
-
-
-# Four 32-element blocks at once (decode): quad(w, o) -> (lo, hi, d, m) for the blocks at byte o:
-#   lo, hi: uint8 x 64, lane 16j + i = element i (lo) or 16 + i (hi) of block j (a layout the
-#   activations are permuted to per call, _quad_acts): one 512-bit product each;
-#   d, m: float32 x 16, lane 4j + l = block j's scale (and min). The bytes come from two or three
-#   overlapping 64-byte loads and one two-source byte shuffle (vpermt2b), not four 16-byte loads
-#   and inserts per vector; the scales from the same loads (a word shuffle), not 4 scalar loads.
-def _src(byte, second):
-    """Lane index into (a, b) of byte `byte` of the group: a holds bytes 0-63, b from `second`."""
-    assert byte < 64 or 0 <= byte - second < 64, (byte, second)
-    return byte if byte < 64 else 64 + byte - second
-
-
-def _qs_mask(nbytes, qs, second, half=0):
-    return [_src(j * nbytes + qs + 16 * half + i, second) for j in range(4) for i in range(16)]
-
-
-def _word_mask(nbytes, field, second):
-    """(a, b) uint16 lanes of block j's float16 at byte `field`, each repeated 4 times."""
-    return [_src(j * nbytes + field + 1, second) // 2 for j in range(4) for _ in range(4)]
-
-
-@njit(inline="always")
-def _split(v):
-    """uint8 x 64 -> (low nibbles, high nibbles)."""
-    return vand(v, 15), vand(view(vshr(view(v, np.uint16), 4), np.uint8), 15)
-
-
-@njit(inline="always")
-def _words(shuffle, a, b):
-    return h2f(shuffle(view(a, np.uint16), view(b, np.uint16)))
-
-
-_Q4_0_QS, _Q4_0_D = shuffler2(*_qs_mask(18, 2, 8)), shuffler2(*_word_mask(18, 0, 8))
-
-
-@njit(inline="always")
-def _quad_q4_0(row, o):
-    a, b = ld(row, o, 64), ld(row, o + 8, 64)
-    lo, hi = _split(_Q4_0_QS(a, b))
-    return lo, hi, _words(_Q4_0_D, a, b), splat(f32(0), 16)
-
-
-@njit(inline="always")
-def _quad_iq4_nl(row, o):
-    a, b = ld(row, o, 64), ld(row, o + 8, 64)
-    lo, hi = _split(_Q4_0_QS(a, b))
-    return _IQ4(lo), _IQ4(hi), _words(_Q4_0_D, a, b), splat(f32(0), 16)
-
-
-_Q4_1_QS, _Q4_1_D, _Q4_1_M = shuffler2(*_qs_mask(20, 4, 16)), shuffler2(*_word_mask(20, 0, 16)), shuffler2(
-    *_word_mask(20, 2, 16))
-
-
-@njit(inline="always")
-def _quad_q4_1(row, o):
-    a, b = ld(row, o, 64), ld(row, o + 16, 64)
-    lo, hi = _split(_Q4_1_QS(a, b))
-    return lo, hi, _words(_Q4_1_D, a, b), _words(_Q4_1_M, a, b)
-
-
-def _qh_mask(nbytes, qh, second):
-    """(a, b) lanes of the qh byte holding bit 4 of element i (lo) / 16 + i (hi) of block j."""
-    return [[_src(j * nbytes + qh + 2 * half + (i >> 3), second) for j in range(4) for i in range(16)]
-            for half in (0, 1)]
-
-
-_BIT = testbits(*[1 << (i & 7) for i in range(64)])
-
-
-@njit(inline="always")
-def _nibbles_bit4(qs, hl, hh):
-    """The quads' (lo, hi) from 64 bytes of nibbles and the qh bytes spread per lane (Q5_0, Q5_1)."""
-    lo, hi = _split(qs)
-    return vor(lo, vshl(_BIT(hl), 4)), vor(hi, vshl(_BIT(hh), 4))
-
-
-_Q5_0_QS, _Q5_0_D = shuffler2(*_qs_mask(22, 6, 24)), shuffler2(*_word_mask(22, 0, 24))
-_Q5_0_HL, _Q5_0_HH = (shuffler2(*m) for m in _qh_mask(22, 2, 24))
-
-
-@njit(inline="always")
-def _quad_q5_0(row, o):
-    a, b = ld(row, o, 64), ld(row, o + 24, 64)
-    lo, hi = _nibbles_bit4(_Q5_0_QS(a, b), _Q5_0_HL(a, b), _Q5_0_HH(a, b))
-    return lo, hi, _words(_Q5_0_D, a, b), splat(f32(0), 16)
-
-
-_Q5_1_QS, _Q5_1_D, _Q5_1_M = shuffler2(*_qs_mask(24, 8, 32)), shuffler2(*_word_mask(24, 0, 32)), shuffler2(
-    *_word_mask(24, 2, 32))
-_Q5_1_HL, _Q5_1_HH = (shuffler2(*m) for m in _qh_mask(24, 4, 32))
-
-
-@njit(inline="always")
-def _quad_q5_1(row, o):
-    a, b = ld(row, o, 64), ld(row, o + 32, 64)
-    lo, hi = _nibbles_bit4(_Q5_1_QS(a, b), _Q5_1_HL(a, b), _Q5_1_HH(a, b))
-    return lo, hi, _words(_Q5_1_D, a, b), _words(_Q5_1_M, a, b)
-
-
-# Q8_0's group is 136 bytes: a (0-63), b (64-127), c (72-135); block 3's high half comes from c.
-_Q8_0_LO = shuffler2(*_qs_mask(34, 2, 64))
-_Q8_0_HI = shuffler2(*[_src(18 + 34 * j + i, 64) if j < 3 else 0 for j in range(4) for i in range(16)])
-_Q8_0_HI3 = shuffler2(*[16 * j + i if j < 3 else 64 + 120 + i - 72 for j in range(4) for i in range(16)])
-_Q8_0_D = shuffler2(*_word_mask(34, 0, 64))
-
-
-@njit(inline="always")
-def _quad_q8_0(row, o):
-    a, b, c = ld(row, o, 64), ld(row, o + 64, 64), ld(row, o + 72, 64)
-    lo, hi = vadd(_Q8_0_LO(a, b), 128), vadd(_Q8_0_HI3(_Q8_0_HI(a, b), c), 128)
-    return lo, hi, _words(_Q8_0_D, a, b), splat(f32(0), 16)
-
-
-# K types as 16 sub-blocks of 16 (a type with sub-blocks of 32 repeats each value twice):
-#   scales(w, o) -> (d, dmin, sc: int16 x 16, m: int32 x 16) of the super-block at byte o;
-#   quants(w, o, c) -> uint8 x 32, chunk c (elements 32c..32c+31, sub-blocks 2c and 2c+1);
-#   w = d * sc * (q - off) - dmin * m.
-_DUP8 = shuffler(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)  # 8 values -> 16 lanes
-
-
-# Q2_K: 256 elements per 84-byte super-block (scales:16, one byte per sub-block = sc | m << 4;
-#   qs:64; d:f16; dmin:f16).
-#   chunk c = 4h + s: q = (qs[32h + l] >> 2s) & 3.
-_OFF_Q2_K = 0
-
-
-@njit(inline="always")
-def _scales_q2_k(row, o):
-    b = ld(row, o, 16)
-    return half(row, o + 80), half(row, o + 82), cvt(vand(b, 15), np.int16), cvt(vshr(b, 4), np.int32)
-
-
-@njit(inline="always")
-def _quants_q2_k(row, o, c):
-    return vand(vshr(ld(row, o + 16 + 32 * (c >> 2), 32), 2 * (c & 3)), 3)
-
-
-# Q3_K: 256 elements per 110-byte super-block (hmask:32, qs:64, scales:12, d:f16).
-#   chunk c = 4h + s: q = ((qs[32h + l] >> 2s) & 3) | ((hmask[l] >> c) & 1) << 2; w = d * sc * (q - 4).
-#   16 signed 6-bit scales: low4 = scales[j] & 15 (j < 8) or scales[j-8] >> 4;
-#   high2 = (scales[8 + j%4] >> 2(j//4)) & 3; sc = (low4 | high2 << 4) - 32.
-_OFF_Q3_K = 4
-
-
-@njit(inline="always")
-def _scales_q3_k(row, o):
-    lo8 = ld(row, o + 96, 8)
-    low = cat(vand(lo8, 15), vshr(lo8, 4))
-    h4 = ld(row, o + 104, 4)  # replicated 4 times; group g shifted by 2g
-    u32 = np.uint32
-    shifts = cat(cat(splat(u32(0), 1), splat(u32(2), 1)), cat(splat(u32(4), 1), splat(u32(6), 1)))
-    high = vand(view(vshr(view(cat(cat(h4, h4), cat(h4, h4)), np.uint32), shifts), np.uint8), 3)
-    sc = vsub(cvt(vor(low, vshl(high, 4)), np.int16), 32)
-    return half(row, o + 108), f32(0), sc, splat(i32(0), 16)
-
-
-@njit(inline="always")
-def _quants_q3_k(row, o, c):
-    low = vand(vshr(ld(row, o + 32 + 32 * (c >> 2), 32), 2 * (c & 3)), 3)
-    high = vand(vshr(ld(row, o, 32), c), 1)
-    return vor(low, vshl(high, 2))
-
-
-# Q4_K and Q5_K: (d:f16, dmin:f16, scales:12, ...) with a 6-bit scale and min per sub-block j
-#   of 32, s = the 12 bytes: j < 4: sc = s[j] & 63, m = s[j+4] & 63;
-#   j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, m = (s[j+4] >> 4) | (s[j] >> 6) << 4.
-_K4_A = shuffler(0, 1, 2, 3, 8, 9, 10, 11)  # s[j] (j < 4), s[j+4] (j >= 4)
-_K4_B = shuffler(4, 5, 6, 7, 0, 1, 2, 3)  # s[j+4] (j < 4), s[j-4] (j >= 4)
-_K4_C = shuffler(4, 5, 6, 7, 8, 9, 10, 11)  # s[j+4]
-_K4_D = shuffler(0, 1, 2, 3, 4, 5, 6, 7)  # s[j]
-
-
-@njit(inline="always")
-def _scales_k4(row, o):
-    s = ld(row, o + 4, 16)  # the 12 bytes (and 4 of what follows)
-    first = cat(splat(np.uint8(255), 4), splat(np.uint8(0), 4))  # lanes j < 4
-    last = cat(splat(np.uint8(0), 4), splat(np.uint8(255), 4))
-    a, hi_b, c, hi_d = _K4_A(s), vshl(vshr(_K4_B(s), 6), 4), _K4_C(s), vshl(vshr(_K4_D(s), 6), 4)
-    sc = vor(vand(a, vor(vand(first, 63), vand(last, 15))), vand(hi_b, last))
-    mn = vor(vand(c, vand(first, 63)), vand(vor(vshr(c, 4), hi_d), last))
-    return half(row, o), half(row, o + 2), _DUP8(cvt(sc, np.int16)), _DUP8(cvt(mn, np.int32))
-
-
-_MINS8 = shuffler(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)
-
-
-@njit(inline="always")
-def _scales_k4_dot(row, o):
-    """_scales_k4 for decode: the 6-bit fields unpacked in general-purpose registers, 4 at a time
-    (as llama.cpp's utmp), which leaves the vector ports to the products; sc one lane per
-    sub-block of 32 (lanes 8-15: the mins), mins as int16."""
-    s0, s1, s2 = word(row, o + 4), word(row, o + 8), word(row, o + 12)
-    sc = (s0 & 0x3F3F3F3F) | (((s2 & 0x0F0F0F0F) | (((s0 >> 6) & 0x03030303) << 4)) << 32)
-    mn = (s1 & 0x3F3F3F3F) | ((((s2 >> 4) & 0x0F0F0F0F) | (((s1 >> 6) & 0x03030303) << 4)) << 32)
-    v = cvt(view(pack2(sc, mn), np.uint8), np.int16)  # 8 scales (one per 32: _dot_k's nib), 8 mins
-    return half(row, o), half(row, o + 2), v, _MINS8(v)
-
-
-# Q4_K: 256 elements per 144-byte super-block (d:f16, dmin:f16, scales:12, qs:128).
-#   chunk c = 2i + s: q = (qs[32i + l] >> 4s) & 15.
-_OFF_Q4_K = 0
-
-
-@njit(inline="always")
-def _quants_q4_k(row, o, c):
-    return vand(vshr(ld(row, o + 16 + 32 * (c >> 1), 32), 4 * (c & 1)), 15)
-
-
-# Q5_K: 256 elements per 176-byte super-block (d:f16, dmin:f16, scales:12, qh:32, qs:128).
-#   chunk c as Q4_K, plus bit 4 = (qh[l] >> c) & 1.
-_OFF_Q5_K = 0
-
-
-@njit(inline="always")
-def _quants_q5_k(row, o, c):
-    low = vand(vshr(ld(row, o + 48 + 32 * (c >> 1), 32), 4 * (c & 1)), 15)
-    return vor(low, vshl(vand(vshr(ld(row, o + 16, 32), c), 1), 4))
-
-
-# Q6_K: 256 elements per 210-byte super-block (ql:128, qh:64, scales:16 int8, d:f16).
-#   chunk c = 4h + t: q = (ql[64h + 32(t&1) + l] >> 4(t>>1)) & 15 | ((qh[32h + l] >> 2t) & 3) << 4;
-#   w = d * sc * (q - 32).
-_OFF_Q6_K = 32
-
-
-@njit(inline="always")
-def _scales_q6_k(row, o):
-    sc = cvt(cvt(ld(row, o + 192, 16), np.int8), np.int16)
-    return half(row, o + 208), f32(0), sc, splat(i32(0), 16)
-
-
-@njit(inline="always")
-def _quants_q6_k(row, o, c):
-    h, t = c >> 2, c & 3
-    low = vand(vshr(ld(row, o + 64 * h + 32 * (t & 1), 32), 4 * (t >> 1)), 15)
-    high = vand(vshr(ld(row, o + 128 + 32 * h, 32), 2 * t), 3)
-    return vor(low, vshl(high, 4))
-
-
-# IQ4_XS: 256 elements per 136-byte super-block (d:f16, scales_h:u16, scales_l:4, qs:128); sub-
-#   block j of 32 (chunk c = j): ls = (scales_l[j/2] >> 4(j%2)) & 15 | ((scales_h >> 2j) & 3) << 4,
-#   quants qs[16j:16j+16] as IQ4_NL's (plus 128); w = d * (ls - 32) * KVALUES[q].
-_OFF_IQ4_XS = 128
-_SPREAD_L = shuffler(0, 0, 1, 1, 2, 2, 3, 3)  # scales_l byte of sub-block j
-_SPREAD_H = shuffler(0, 0, 0, 0, 1, 1, 1, 1)  # scales_h byte of sub-block j
-
-
-@njit(inline="always")
-def _scales_iq4_xs(row, o):
-    u8 = np.uint8
-    s2 = cat(splat(u8(0), 1), splat(u8(4), 1))
-    s4 = cat(cat(splat(u8(0), 1), splat(u8(2), 1)), cat(splat(u8(4), 1), splat(u8(6), 1)))
-    low = vand(vshr(_SPREAD_L(ld(row, o + 4, 4)), cat(cat(s2, s2), cat(s2, s2))), 15)
-    high = vand(vshr(_SPREAD_H(ld(row, o + 2, 2)), cat(s4, s4)), 3)
-    sc = vsub(cvt(vor(low, vshl(high, 4)), np.int16), 32)
-    return half(row, o), f32(0), _DUP8(sc), splat(i32(0), 16)
-
-
-@njit(inline="always")
-def _quants_iq4_xs(row, o, c):
-    return _IQ4(_nibbles(ld(row, o + 8 + 16 * c, 16)))
-
-
-@njit(inline="always")
-def _half_iq4_xs(row, o, h):
-    """(lo, hi) of sub-blocks 4h..4h+3 in the quad layout: their 64 bytes of nibbles, one load."""
-    lo, hi = _split(ld(row, o + 8 + 64 * h, 64))
-    return _IQ4(lo), _IQ4(hi)
-
-
-# Pairs of K-type chunks (decode): pair(w, o, i) -> uint8 x 64, elements 64i..64i+63 of the
-# super-block at o (chunks 2i and 2i+1), one 512-bit vector: the 32 bytes the two chunks share
-# loaded once into both halves, each half shifted by its own count (shifts of 64-bit lanes: the
-# bits shifted in from the next byte are masked off).
-@njit(inline="always")
-def _both(v, s0, s1):
-    u64 = np.uint64
-    return view(vshr(view(cat(v, v), u64), cat(splat(u64(s0), 4), splat(u64(s1), 4))), np.uint8)
-
-
-@njit(inline="always")
-def _pair_q2_k(row, o, i):
-    s = 4 * (i & 1)
-    return vand(_both(ld(row, o + 16 + 32 * (i >> 1), 32), s, s + 2), 3)
-
-
-@njit(inline="always")
-def _pair_q3_k(row, o, i):
-    s = 4 * (i & 1)
-    low = vand(_both(ld(row, o + 32 + 32 * (i >> 1), 32), s, s + 2), 3)
-    return vor(low, vshl(vand(_both(ld(row, o, 32), 2 * i, 2 * i + 1), 1), 2))
-
-
-# Q4_K, Q5_K: half h of the super-block as (lo, hi) = chunks (4h, 4h+2) and (4h+1, 4h+3), the
-# low and high nibbles of one 64-byte load; the activations are permuted to match (_acts_k4).
-@njit(inline="always")
-def _quad_q4_k(row, o, h):
-    return _split(ld(row, o + 16 + 64 * h, 64))
-
-
-@njit(inline="always")
-def _quad_q5_k(row, o, h):
-    lo, hi = _split(ld(row, o + 48 + 64 * h, 64))
-    qh = ld(row, o + 16, 32)
-    lo = vor(lo, vshl(vand(_both(qh, 4 * h, 4 * h + 2), 1), 4))
-    return lo, vor(hi, vshl(vand(_both(qh, 4 * h + 1, 4 * h + 3), 1), 4))
-
-
-@njit(inline="always")
-def _pair_q6_k(row, o, i):
-    # chunks 4h + 2u and 4h + 2u + 1 (h = i // 2, u = i % 2): ql[64h:64h+64] >> 4u, one load
-    u = i & 1
-    low = vand(view(vshr(view(ld(row, o + 64 * (i >> 1), 64), np.uint16), 4 * u), np.uint8), 15)
-    return vor(low, vshl(vand(_both(ld(row, o + 128 + 32 * (i >> 1), 32), 4 * u, 4 * u + 2), 3), 4))
-
-
-# F32 / F16 / BF16: rows of 4 / 2 / 2-byte little-endian floats; element i of the row at byte ro
-# as float32 x n.
-@njit(inline="always")
-def _load_f32(row, ro, i, n):
-    return ld_f32(row, ro + 4 * i, n)
-
-
-@njit(inline="always")
-def _load_f16(row, ro, i, n):
-    return ld_f16(row, ro + 2 * i, n)
-
-
-@njit(inline="always")
-def _load_bf16(row, ro, i, n):
-    return ld_bf16(row, ro + 2 * i, n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1356,34 +337,34 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
     type is dispatched once per call, outside the row loop."""
     if qtype == Q4_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, _NB_Q4_0, False)
     elif qtype == Q4_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, 20, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, _NB_Q4_1, True)
     elif qtype == Q5_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, 22, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, _NB_Q5_0, False)
     elif qtype == Q5_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, 24, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, _NB_Q5_1, True)
     elif qtype == Q8_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, 34, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, _NB_Q8_0, False)
     elif qtype == Q2_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, 84, _OFF_Q2_K, True, 80,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, _NB_Q2_K, _OFF_Q2_K, True, 80,
                 False, False)
     elif qtype == Q3_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, 110, _OFF_Q3_K, False, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, _NB_Q3_K, _OFF_Q3_K, False, 0,
                 False, False)
     elif qtype == Q4_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q4_k, 144, _OFF_Q4_K, True, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q4_k, _NB_Q4_K, _OFF_Q4_K, True, 0,
                 True, False)
     elif qtype == Q5_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q5_k, 176, _OFF_Q5_K, True, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q5_k, _NB_Q5_K, _OFF_Q5_K, True, 0,
                 True, False)
     elif qtype == Q6_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, 210, _OFF_Q6_K, False, 0,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, _NB_Q6_K, _OFF_Q6_K, False, 0,
                 False, False)
     elif qtype == IQ4_NL:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, 18, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, _NB_IQ4_NL, False)
     elif qtype == IQ4_XS:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, 136, _OFF_IQ4_XS,
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, _NB_IQ4_XS, _OFF_IQ4_XS,
                 False, 0, False, True)
     elif qtype == F32:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
@@ -1409,7 +390,8 @@ def _deq_float(w, ro, k, dst, at, load):
 
 
 @njit(fastmath=True, inline="always")
-def _deq_32(w, ro, k, dst, at, block, nbytes):
+def _deq_32(a, block, nbytes):
+    w, ro, k, dst, at = a
     for b in range(k // 32):
         q, off, d, m = block(w, ro + nbytes * b)
         st(dst, at + 32 * b, vadd(vmul(cvt(vsub(cvt(q, np.int16), off), np.float32), d), m))
@@ -1424,7 +406,8 @@ def _deq_chunk(w, o, c, d, dmin, sc, mn, dst, at_, quants, off):
 
 
 @njit(fastmath=True, inline="always")
-def _deq_k(w, ro, k, dst, at_, scales, quants, nbytes, off):
+def _deq_k(a, scales, quants, nbytes, off, sb):
+    w, ro, k, dst, at_ = a
     for b in range(k // 256):
         o = ro + b * nbytes
         d, dmin, sc, mn = scales(w, o)
@@ -1441,51 +424,19 @@ def _deq_k(w, ro, k, dst, at_, scales, quants, nbytes, off):
 
 @njit(fastmath=True)
 def _dequant_row(qtype, w, ro, k, dst, at):
-    if qtype == Q4_0:
-        _deq_32(w, ro, k, dst, at, _block_q4_0, 18)
-    elif qtype == Q4_1:
-        _deq_32(w, ro, k, dst, at, _block_q4_1, 20)
-    elif qtype == Q5_0:
-        _deq_32(w, ro, k, dst, at, _block_q5_0, 22)
-    elif qtype == Q5_1:
-        _deq_32(w, ro, k, dst, at, _block_q5_1, 24)
-    elif qtype == Q8_0:
-        _deq_32(w, ro, k, dst, at, _block_q8_0, 34)
-    elif qtype == Q2_K:
-        _deq_k(w, ro, k, dst, at, _scales_q2_k, _quants_q2_k, 84, _OFF_Q2_K)
-    elif qtype == Q3_K:
-        _deq_k(w, ro, k, dst, at, _scales_q3_k, _quants_q3_k, 110, _OFF_Q3_K)
-    elif qtype == Q4_K:
-        _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q4_k, 144, _OFF_Q4_K)
-    elif qtype == Q5_K:
-        _deq_k(w, ro, k, dst, at, _scales_k4, _quants_q5_k, 176, _OFF_Q5_K)
-    elif qtype == Q6_K:
-        _deq_k(w, ro, k, dst, at, _scales_q6_k, _quants_q6_k, 210, _OFF_Q6_K)
-    elif qtype == IQ4_NL:
-        _deq_32(w, ro, k, dst, at, _block_iq4_nl, 18)
-    elif qtype == IQ4_XS:
-        _deq_k(w, ro, k, dst, at, _scales_iq4_xs, _quants_iq4_xs, 136, _OFF_IQ4_XS)
-    elif qtype == F32:
+    if qtype == F32:
         _deq_float(w, ro, k, dst, at, _load_f32)
     elif qtype == F16:
         _deq_float(w, ro, k, dst, at, _load_f16)
-    else:
+    elif qtype == BF16:
         _deq_float(w, ro, k, dst, at, _load_bf16)
+    else:
+        _each_block(qtype, _deq_32, _deq_k, (w, ro, k, dst, at))
 
 
 # ---------------------------------------------------------------------------------------------
 # Drivers: one parallel region per call.
 # ---------------------------------------------------------------------------------------------
-@njit(inline="always")
-def _part(item, n0, n1):
-    """Work item -> (part, item within the part) for three parts of n0, n1 and the rest items."""
-    if item < n0:
-        return 0, item
-    if item < n0 + n1:
-        return 1, item - n0
-    return 2, item - n0 - n1
-
-
 @njit(**_KERNEL)
 def _prologue(x, pre, pre_w, eps, xa):
     """xa (n, k) = the matmul's input from x: x itself (PRE_NONE), rmsnorm(x) * pre_w (PRE_NORM),
@@ -1556,14 +507,10 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         for t in range(n):
             _acts_k4(xq, k, t)
     xf = xa.reshape(-1)
-    c0, c1, c2 = (m0 + _CHUNK - 1) // _CHUNK, (m1 + _CHUNK - 1) // _CHUNK, (ws[2].shape[0] + _CHUNK - 1) // _CHUNK
+    c0, c1, c2 = _tiles(ws, _CHUNK)
     for item in prange(c0 + c1 + c2):
-        p, c = _part(np.int64(item), c0, c1)  # (prange indices may be unsigned)
-        w = ws[p]
-        col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
-        r0 = c * _CHUNK
-        r1 = min(w.shape[0], r0 + _CHUNK)
-        _dot_rows(qtype, w.reshape(-1), rb, r0, r1, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
+        w, col, r0, nr = _tile_at(ws, item, c0, c1, _CHUNK, col0)
+        _dot_rows(qtype, w.reshape(-1), rb, r0, r0 + nr, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
     if res.shape[0]:
         _epilogue(out, col0, m0 + m1 + ws[2].shape[0], eps, res, post_w)
 
@@ -1574,7 +521,7 @@ def _qgemm(x, ws, qtype, out, col0):
     caller's). Tokens are packed 32 to a vector group (k, 32); then tiles of _ROWS rows in parallel: decode the tile to float once (L2), and for each group of tokens
     accumulate rows x tokens in registers over k."""
     n, k = x.shape
-    m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
+    rb = ws[0].shape[1]
     ngroups = (n + _TOK - 1) // _TOK
     xp = np.zeros((ngroups, k, _TOK), np.float32)  # tokens packed along lanes, zero padded
     for g in prange(ngroups):  # transposed 64 columns at a time: the stores stay in L1
@@ -1583,16 +530,12 @@ def _qgemm(x, ws, qtype, out, col0):
                 for i in range(i0, min(k, i0 + 64)):
                     xp[g, i, j] = x[g * _TOK + j, i]
     xpf = xp.reshape(-1)
-    t0, t1, t2 = (m0 + _ROWS - 1) // _ROWS, (m1 + _ROWS - 1) // _ROWS, (ws[2].shape[0] + _ROWS - 1) // _ROWS
+    t0, t1, t2 = _tiles(ws, _ROWS)
     for item in prange(t0 + t1 + t2):
-        p, tile = _part(np.int64(item), t0, t1)
-        w = ws[p]
+        w, col, r0, nr = _tile_at(ws, item, t0, t1, _ROWS, col0)
         wf = w.reshape(-1)
-        col = col0 + (0 if p == 0 else (m0 if p == 1 else m0 + m1))
         wt = np.empty(_ROWS * k, np.float32)  # (_ROWS, k) decoded rows
         res = np.empty(_ROWS * _TOK, np.float32)  # (_ROWS, _TOK) tile results
-        r0 = tile * _ROWS
-        nr = min(_ROWS, w.shape[0] - r0)
         for rr in range(nr):
             _dequant_row(qtype, wf, (r0 + rr) * rb, k, wt, rr * k)
         wt[nr * k :] = 0  # rows past the end of the weight (their results are dropped)
@@ -1819,7 +762,3 @@ def dequantize_rows(w: np.ndarray, qtype: int, rows: np.ndarray, out: np.ndarray
     if rows.size:
         _dequant_rows(w, qtype, rows.astype(np.int64), k, out)
     return out
-
-
-# The integer prefill GEMM builds on the vector layer and block decoders above.
-from . import igemm  # noqa: E402

@@ -98,16 +98,6 @@ def tree_sum(red, t, nt):
         s //= 2
 
 
-@cuda.jit(device=True)
-def tree_max(red, t, nt):
-    s = nt // 2
-    while s > 0:
-        if t < s:
-            red[t] = max(red[t], red[t + s])
-        cuda.syncthreads()
-        s //= 2
-
-
 # --- kernels --------------------------------------------------------------------------
 
 

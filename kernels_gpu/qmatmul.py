@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from edgekv import quants as qt
 from edgekv.errors import UnsupportedModelError
 from edgekv.quants import KVALUES_IQ4NL, QUANT_TYPES
 
@@ -22,9 +23,14 @@ from . import launch
 from .launch import blocks, launch as _launch
 from .ops import MAXT, _F0, h2f, half_at
 
-# GGML type ids (edgekv/quants.py is the table)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 20, 23
-SUPPORTED = (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+# GGML type ids and block bytes from the one table (edgekv/quants.py), as module-level ints: the
+# CUDA compiler takes them as constants.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = qt.F32.id, qt.F16.id, qt.Q4_0.id, qt.Q4_1.id, qt.Q5_0.id, qt.Q5_1.id, qt.Q8_0.id
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = qt.Q4_K.id, qt.Q5_K.id, qt.Q6_K.id, qt.IQ4_NL.id, qt.IQ4_XS.id
+_NB_Q4_0, _NB_Q4_1, _NB_Q5_0, _NB_Q5_1, _NB_Q8_0, _NB_IQ4_NL = (
+    q.block_bytes for q in (qt.Q4_0, qt.Q4_1, qt.Q5_0, qt.Q5_1, qt.Q8_0, qt.IQ4_NL))
+_NB_Q4_K, _NB_Q5_K, _NB_Q6_K, _NB_IQ4_XS = (q.block_bytes for q in (qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.IQ4_XS))
+SUPPORTED = qt.GPU_TYPES
 _KVALUES = np.array(KVALUES_IQ4NL, np.float32)  # a global array: a constant in the kernels
 
 
@@ -54,7 +60,7 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
             buf[l] = h2f(np.int32(wh[r, c])) if c < k else _F0
     elif qtype == Q4_0:
         # Q4_0: 32 elements per 18-byte block (d:f16, qs:16); e<16: qs[e]&15, e>=16: qs[e-16]>>4; w = d*(q-8)
-        o = 18 * u
+        o = _NB_Q4_0 * u
         d = half_at(wq, r, o)
         for l in range(16):
             q = np.int32(wq[r, o + 2 + l])
@@ -62,7 +68,7 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
             buf[l + 16] = d * np.float32((q >> 4) - 8)
     elif qtype == Q4_1:
         # Q4_1: 32 elements per 20-byte block (d:f16, m:f16, qs:16 as Q4_0); w = d*q + m
-        o = 20 * u
+        o = _NB_Q4_1 * u
         d = half_at(wq, r, o)
         m = half_at(wq, r, o + 2)
         for l in range(16):
@@ -73,7 +79,7 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
         # Q5_0: 22-byte block (d:f16, qh:4 little-endian, bit e = bit 4 of element e, qs:16 as Q4_0),
         #   w = d*(q-16); Q5_1: 24-byte block (d:f16, m:f16, qh:4, qs:16), w = d*q + m
         has_m = qtype == Q5_1
-        o = (24 if has_m else 22) * u
+        o = (_NB_Q5_1 if has_m else _NB_Q5_0) * u
         d = half_at(wq, r, o)
         m = half_at(wq, r, o + 2) if has_m else _F0
         hq = o + (4 if has_m else 2)
@@ -88,7 +94,7 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
             buf[l + 16] = d * np.float32(hi - off) + m
     elif qtype == Q8_0:
         # Q8_0: 32 elements per 34-byte block (d:f16, qs:32 int8); w = d*q
-        o = 34 * u
+        o = _NB_Q8_0 * u
         d = half_at(wq, r, o)
         for l in range(32):
             q = np.int32(wq[r, o + 2 + l])
@@ -98,7 +104,7 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
         #   chunk c = 2i + s: q = (qs[32i + l] >> 4s) & 15; w = d*sc*q - dmin*m.
         # Q5_K: 176 bytes (d, dmin, scales:12, qh:32, qs:128); q as Q4_K plus bit 4 = (qh[l] >> c) & 1.
         five = qtype == Q5_K
-        o = (176 if five else 144) * (u // 8)
+        o = (_NB_Q5_K if five else _NB_Q4_K) * (u // 8)
         c = u % 8
         d = half_at(wq, r, o)
         dmin = half_at(wq, r, o + 2)
@@ -119,11 +125,11 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
         #   sub-block c of 32: ls = (scales_l[c/2] >> 4(c%2)) & 15 | ((scales_h >> 2c) & 3) << 4,
         #   quants qs[16c:16c+16] as IQ4_NL's; w = d*(ls-32)*KVALUES[q].
         if qtype == IQ4_NL:
-            o = 18 * u
+            o = _NB_IQ4_NL * u
             ds = half_at(wq, r, o)
             qs = o + 2
         else:
-            o = 136 * (u // 8)
+            o = _NB_IQ4_XS * (u // 8)
             c = u % 8
             sh = np.int32(wq[r, o + 2]) | (np.int32(wq[r, o + 3]) << 8)
             ls = ((np.int32(wq[r, o + 4 + c // 2]) >> (4 * (c % 2))) & 15) | (((sh >> (2 * c)) & 3) << 4)
@@ -137,7 +143,7 @@ def decode_unit(wq, wf, wh, qtype, r, u, k, buf):
         # Q6_K: 256 elements per 210-byte super-block (ql:128, qh:64, scales:16 int8, d:f16);
         #   chunk c = 4h + t: q = (ql[64h + 32(t&1) + l] >> 4(t>>1)) & 15 | ((qh[32h + l] >> 2t) & 3) << 4;
         #   elements 32c.. use scale 2c, 32c+16.. scale 2c+1; w = d*sc*(q-32)
-        o = 210 * (u // 8)
+        o = _NB_Q6_K * (u // 8)
         c = u % 8
         h = c // 4
         t = c % 4

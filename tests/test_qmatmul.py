@@ -13,6 +13,7 @@ from conftest import model_path
 from edgekv.errors import EdgekvError, UnsupportedModelError
 from edgekv.gguf_file import GGUFFile
 from edgekv.kernels_cpu import qmatmul as qm
+from edgekv.kernels_cpu import layouts, simd
 from edgekv.quants import BY_NAME, QUANT_TYPES
 
 ALL = [QUANT_TYPES[q].name for q in qm.SUPPORTED]
@@ -372,30 +373,30 @@ def test_vector_primitives(monkeypatch, isa):
     if isa != "native":
         for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD", "_VPDPWSSD", "_PSHUFB", "_PERMW"):
             keep = {16, 32} if isa == "avx2" and table in ("_PMADDWD", "_PMADDUBSW", "_PSHUFB") else set()
-            monkeypatch.setattr(qm, table, {n: v for n, v in getattr(qm, table).items() if n in keep})
-        monkeypatch.setattr(qm, "_NATIVE_F16", False if isa == "generic" else qm._NATIVE_F16)
+            monkeypatch.setattr(simd, table, {n: v for n, v in getattr(simd, table).items() if n in keep})
+        monkeypatch.setattr(simd, "_NATIVE_F16", False if isa == "generic" else simd._NATIVE_F16)
 
     @numba.njit
     def products(u8, i8, i16, o_madd16, o_madd32, o_ubs32, o_ubs64, o_dot32, o_dot64):
-        qm.st(o_madd16, 0, qm.madd(qm.ld(i16, 0, 16), qm.ld(i16, 16, 16)))
-        qm.st(o_madd32, 0, qm.madd(qm.ld(i16, 0, 32), qm.ld(i16, 32, 32)))
-        qm.st(o_ubs32, 0, qm.maddubs(qm.ld(u8, 0, 32), qm.ld(i8, 0, 32)))
-        qm.st(o_ubs64, 0, qm.maddubs(qm.ld(u8, 0, 64), qm.ld(i8, 0, 64)))
-        qm.st(o_dot32, 0, qm.dot4(qm.ld(u8, 0, 32), qm.ld(i8, 0, 32)))
-        qm.st(o_dot64, 0, qm.dot4(qm.ld(u8, 0, 64), qm.ld(i8, 0, 64)))
+        simd.st(o_madd16, 0, simd.madd(simd.ld(i16, 0, 16), simd.ld(i16, 16, 16)))
+        simd.st(o_madd32, 0, simd.madd(simd.ld(i16, 0, 32), simd.ld(i16, 32, 32)))
+        simd.st(o_ubs32, 0, simd.maddubs(simd.ld(u8, 0, 32), simd.ld(i8, 0, 32)))
+        simd.st(o_ubs64, 0, simd.maddubs(simd.ld(u8, 0, 64), simd.ld(i8, 0, 64)))
+        simd.st(o_dot32, 0, simd.dot4(simd.ld(u8, 0, 32), simd.ld(i8, 0, 32)))
+        simd.st(o_dot64, 0, simd.dot4(simd.ld(u8, 0, 64), simd.ld(i8, 0, 64)))
 
     @numba.njit
     def lookups(idx, o16, o32, o64):  # the i-quants' table (pshufb)
-        qm.st(o16, 0, qm._IQ4(qm.ld(idx, 0, 16)))
-        qm.st(o32, 0, qm._IQ4(qm.ld(idx, 0, 32)))
-        qm.st(o64, 0, qm._IQ4(qm.ld(idx, 0, 64)))
+        simd.st(o16, 0, layouts._IQ4(simd.ld(idx, 0, 16)))
+        simd.st(o32, 0, layouts._IQ4(simd.ld(idx, 0, 32)))
+        simd.st(o64, 0, layouts._IQ4(simd.ld(idx, 0, 64)))
 
     @numba.njit
     def halves(raw, out):
         for i in range(0, raw.size // 2, 16):
-            qm.st(out, i, qm.ld_f16(raw, 2 * i, 16))
-        out[0] = qm.half(raw, 0)  # the scalar form as well
-        out[1] = qm.half(raw, 2)
+            simd.st(out, i, simd.ld_f16(raw, 2 * i, 16))
+        out[0] = simd.half(raw, 0)  # the scalar form as well
+        out[1] = simd.half(raw, 2)
 
     rng = np.random.default_rng(8)
     for _ in range(20):

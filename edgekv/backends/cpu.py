@@ -8,6 +8,7 @@ it repacks. Opt-in: the copy cannot be paged out and re-read under memory pressu
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -84,6 +85,12 @@ def _init_numba(threads: int | None) -> int:
     return n
 
 
+# numba's workqueue threading layer (used when neither OpenMP nor TBB is installed) aborts the
+# process when two Python threads launch parallel kernels at once: forward passes then take turns
+# (CPUBackend.serial, held by generate.Sequence), in every backend of the process.
+_WORKQUEUE_LOCK = threading.Lock()
+
+
 class _Step:
     __slots__ = ("tuner", "n", "tokens", "t0", "tid")
 
@@ -114,7 +121,11 @@ class CPUBackend(AttentionStep):
     def __init__(self, threads: int | None = None):
         from ..kernels_cpu import block, kvquant, ops, qmatmul
 
+        import numba
+
         self.threads = _init_numba(threads)  # the most threads a forward pass uses
+        workqueue = numba.config.THREADING_LAYER in ("default", "workqueue")  # "default": no OpenMP, no TBB
+        self.serial = _WORKQUEUE_LOCK if workqueue else contextlib.nullcontext()
         self.auto_threads = threads is None  # None: fewer while other programs keep cores busy
         self._local = threading.local()  # numba's thread count belongs to the calling thread
         self.ops, self.qm, self.kvq, self.blk = ops, qmatmul, kvquant, block

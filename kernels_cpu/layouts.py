@@ -1,0 +1,487 @@
+"""GGML block layouts decoded in registers: each quantized type's bytes written once, here, for
+qmatmul's decode dots and dequantization and igemm's tile unpacking, on simd.py's vector layer.
+Also the one per-type switch of the prefill decoders (_each_block) and the work items over a
+fused weight's three parts (_tiles, _tile_at) that qmatmul's and igemm's parallel loops share.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from edgekv import quants as qt
+from edgekv.quants import KVALUES_IQ4NL
+
+from .simd import (bits, cat, cvt, h2f, half, half2, ld, ld_bf16, ld_f16, ld_f32, lut16, pack2, shuffler, shuffler2,
+                   splat, testbits, vadd, vand, view, vor, vshl, vshr, vsub, word)
+
+# GGML type ids and block bytes from the one table (edgekv/quants.py), as module-level ints: numba
+# compiles them in as constants.
+F32, F16, BF16 = qt.F32.id, qt.F16.id, qt.BF16.id
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL = qt.Q4_0.id, qt.Q4_1.id, qt.Q5_0.id, qt.Q5_1.id, qt.Q8_0.id, qt.IQ4_NL.id
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = qt.Q2_K.id, qt.Q3_K.id, qt.Q4_K.id, qt.Q5_K.id, qt.Q6_K.id, qt.IQ4_XS.id
+_NB_Q4_0, _NB_Q4_1, _NB_Q5_0, _NB_Q5_1, _NB_Q8_0, _NB_IQ4_NL = (
+    q.block_bytes for q in (qt.Q4_0, qt.Q4_1, qt.Q5_0, qt.Q5_1, qt.Q8_0, qt.IQ4_NL))
+_NB_Q2_K, _NB_Q3_K, _NB_Q4_K, _NB_Q5_K, _NB_Q6_K, _NB_IQ4_XS = (
+    q.block_bytes for q in (qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.IQ4_XS))
+
+f32, i32 = np.float32, np.int32
+
+
+# ---------------------------------------------------------------------------------------------
+# Block decoders: each type's layout is written once, here, and shared by the integer dot (decode)
+# and the float dequantization (prefill, get_rows). Quants come out as unsigned bytes (uint8 x 32,
+# elements in GGML order) so that they multiply int8 activations directly (pmaddubsw, vpdpbusd);
+# a constant offset per type restores the signed value.
+#   32-element types: the block at byte o -> (q, off, d, m) with w = d * (q - off) + m.
+#   K types (256-element super-blocks): see below.
+# ---------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _nibbles(v):
+    """uint8 x 16 -> uint8 x 32: low nibbles (elements 0-15), then high nibbles (16-31). The
+    bytes are repeated in both halves (a broadcast load) and the upper half shifted by 4 (a
+    per-lane shift of 32-bit lanes): no cross-lane shuffle."""
+    shifts = cat(splat(np.uint32(0), 4), splat(np.uint32(4), 4))
+    return vand(view(vshr(view(cat(v, v), np.uint32), shifts), np.uint8), 15)
+
+
+# Q4_0: 32 elements per 18-byte block (d:f16, qs:16); e<16: qs[e]&15, e>=16: qs[e-16]>>4;
+#   w = d * (q - 8).
+@njit(inline="always")
+def _block_q4_0(row, o):
+    return _nibbles(ld(row, o + 2, 16)), 8, half(row, o), f32(0)
+
+
+# Q4_1: 32 elements per 20-byte block (d:f16, m:f16, qs:16 as Q4_0); w = d * q + m.
+@njit(inline="always")
+def _block_q4_1(row, o):
+    d, m = half2(row, o)
+    return _nibbles(ld(row, o + 4, 16)), 0, d, m
+
+
+# Q5_0: 32 elements per 22-byte block (d:f16, qh:4 little-endian, bit e = bit 4 of element e,
+#   qs:16 as Q4_0); w = d * (q - 16).
+@njit(inline="always")
+def _block_q5_0(row, o):
+    return vor(_nibbles(ld(row, o + 6, 16)), vshl(bits(row, o + 2, 32), 4)), 16, half(row, o), f32(0)
+
+
+# Q5_1: 32 elements per 24-byte block (d:f16, m:f16, qh:4, qs:16 as Q5_0); w = d * q + m.
+@njit(inline="always")
+def _block_q5_1(row, o):
+    d, m = half2(row, o)
+    return vor(_nibbles(ld(row, o + 8, 16)), vshl(bits(row, o + 4, 32), 4)), 0, d, m
+
+
+# Q8_0: 32 elements per 34-byte block (d:f16, qs:32 int8); w = d * q (here q + 128 - 128).
+@njit(inline="always")
+def _block_q8_0(row, o):
+    return vadd(ld(row, o + 2, 32), 128), 128, half(row, o), f32(0)
+
+
+# IQ4_NL: 32 elements per 18-byte block (d:f16, qs:16 nibbles as Q4_0), each an index into the
+#   non-linear table KVALUES_IQ4NL; w = d * KVALUES[q]. The table is looked up (pshufb) plus 128,
+#   so that the quants stay unsigned bytes as Q8_0's: off = 128.
+_IQ4 = lut16(*(v + 128 for v in KVALUES_IQ4NL))
+
+
+@njit(inline="always")
+def _block_iq4_nl(row, o):
+    return _IQ4(_nibbles(ld(row, o + 2, 16))), 128, half(row, o), f32(0)
+
+
+# Four 32-element blocks at once (decode): quad(w, o) -> (lo, hi, d, m) for the blocks at byte o:
+#   lo, hi: uint8 x 64, lane 16j + i = element i (lo) or 16 + i (hi) of block j (a layout the
+#   activations are permuted to per call, _quad_acts): one 512-bit product each;
+#   d, m: float32 x 16, lane 4j + l = block j's scale (and min). The bytes come from two or three
+#   overlapping 64-byte loads and one two-source byte shuffle (vpermt2b), not four 16-byte loads
+#   and inserts per vector; the scales from the same loads (a word shuffle), not 4 scalar loads.
+def _src(byte, second):
+    """Lane index into (a, b) of byte `byte` of the group: a holds bytes 0-63, b from `second`."""
+    assert byte < 64 or 0 <= byte - second < 64, (byte, second)
+    return byte if byte < 64 else 64 + byte - second
+
+
+def _qs_mask(nbytes, qs, second, half=0):
+    return [_src(j * nbytes + qs + 16 * half + i, second) for j in range(4) for i in range(16)]
+
+
+def _word_mask(nbytes, field, second):
+    """(a, b) uint16 lanes of block j's float16 at byte `field`, each repeated 4 times."""
+    return [_src(j * nbytes + field + 1, second) // 2 for j in range(4) for _ in range(4)]
+
+
+@njit(inline="always")
+def _split(v):
+    """uint8 x 64 -> (low nibbles, high nibbles)."""
+    return vand(v, 15), vand(view(vshr(view(v, np.uint16), 4), np.uint8), 15)
+
+
+@njit(inline="always")
+def _words(shuffle, a, b):
+    return h2f(shuffle(view(a, np.uint16), view(b, np.uint16)))
+
+
+_Q4_0_QS, _Q4_0_D = shuffler2(*_qs_mask(18, 2, 8)), shuffler2(*_word_mask(18, 0, 8))
+
+
+@njit(inline="always")
+def _quad_q4_0(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 8, 64)
+    lo, hi = _split(_Q4_0_QS(a, b))
+    return lo, hi, _words(_Q4_0_D, a, b), splat(f32(0), 16)
+
+
+@njit(inline="always")
+def _quad_iq4_nl(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 8, 64)
+    lo, hi = _split(_Q4_0_QS(a, b))
+    return _IQ4(lo), _IQ4(hi), _words(_Q4_0_D, a, b), splat(f32(0), 16)
+
+
+_Q4_1_QS, _Q4_1_D, _Q4_1_M = shuffler2(*_qs_mask(20, 4, 16)), shuffler2(*_word_mask(20, 0, 16)), shuffler2(
+    *_word_mask(20, 2, 16))
+
+
+@njit(inline="always")
+def _quad_q4_1(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 16, 64)
+    lo, hi = _split(_Q4_1_QS(a, b))
+    return lo, hi, _words(_Q4_1_D, a, b), _words(_Q4_1_M, a, b)
+
+
+def _qh_mask(nbytes, qh, second):
+    """(a, b) lanes of the qh byte holding bit 4 of element i (lo) / 16 + i (hi) of block j."""
+    return [[_src(j * nbytes + qh + 2 * half + (i >> 3), second) for j in range(4) for i in range(16)]
+            for half in (0, 1)]
+
+
+_BIT = testbits(*[1 << (i & 7) for i in range(64)])
+
+
+@njit(inline="always")
+def _nibbles_bit4(qs, hl, hh):
+    """The quads' (lo, hi) from 64 bytes of nibbles and the qh bytes spread per lane (Q5_0, Q5_1)."""
+    lo, hi = _split(qs)
+    return vor(lo, vshl(_BIT(hl), 4)), vor(hi, vshl(_BIT(hh), 4))
+
+
+_Q5_0_QS, _Q5_0_D = shuffler2(*_qs_mask(22, 6, 24)), shuffler2(*_word_mask(22, 0, 24))
+_Q5_0_HL, _Q5_0_HH = (shuffler2(*m) for m in _qh_mask(22, 2, 24))
+
+
+@njit(inline="always")
+def _quad_q5_0(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 24, 64)
+    lo, hi = _nibbles_bit4(_Q5_0_QS(a, b), _Q5_0_HL(a, b), _Q5_0_HH(a, b))
+    return lo, hi, _words(_Q5_0_D, a, b), splat(f32(0), 16)
+
+
+_Q5_1_QS, _Q5_1_D, _Q5_1_M = shuffler2(*_qs_mask(24, 8, 32)), shuffler2(*_word_mask(24, 0, 32)), shuffler2(
+    *_word_mask(24, 2, 32))
+_Q5_1_HL, _Q5_1_HH = (shuffler2(*m) for m in _qh_mask(24, 4, 32))
+
+
+@njit(inline="always")
+def _quad_q5_1(row, o):
+    a, b = ld(row, o, 64), ld(row, o + 32, 64)
+    lo, hi = _nibbles_bit4(_Q5_1_QS(a, b), _Q5_1_HL(a, b), _Q5_1_HH(a, b))
+    return lo, hi, _words(_Q5_1_D, a, b), _words(_Q5_1_M, a, b)
+
+
+# Q8_0's group is 136 bytes: a (0-63), b (64-127), c (72-135); block 3's high half comes from c.
+_Q8_0_LO = shuffler2(*_qs_mask(34, 2, 64))
+_Q8_0_HI = shuffler2(*[_src(18 + 34 * j + i, 64) if j < 3 else 0 for j in range(4) for i in range(16)])
+_Q8_0_HI3 = shuffler2(*[16 * j + i if j < 3 else 64 + 120 + i - 72 for j in range(4) for i in range(16)])
+_Q8_0_D = shuffler2(*_word_mask(34, 0, 64))
+
+
+@njit(inline="always")
+def _quad_q8_0(row, o):
+    a, b, c = ld(row, o, 64), ld(row, o + 64, 64), ld(row, o + 72, 64)
+    lo, hi = vadd(_Q8_0_LO(a, b), 128), vadd(_Q8_0_HI3(_Q8_0_HI(a, b), c), 128)
+    return lo, hi, _words(_Q8_0_D, a, b), splat(f32(0), 16)
+
+
+# K types as 16 sub-blocks of 16 (a type with sub-blocks of 32 repeats each value twice):
+#   scales(w, o) -> (d, dmin, sc: int16 x 16, m: int32 x 16) of the super-block at byte o;
+#   quants(w, o, c) -> uint8 x 32, chunk c (elements 32c..32c+31, sub-blocks 2c and 2c+1);
+#   w = d * sc * (q - off) - dmin * m.
+_DUP8 = shuffler(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)  # 8 values -> 16 lanes
+
+
+# Q2_K: 256 elements per 84-byte super-block (scales:16, one byte per sub-block = sc | m << 4;
+#   qs:64; d:f16; dmin:f16).
+#   chunk c = 4h + s: q = (qs[32h + l] >> 2s) & 3.
+_OFF_Q2_K = 0
+
+
+@njit(inline="always")
+def _scales_q2_k(row, o):
+    b = ld(row, o, 16)
+    return half(row, o + 80), half(row, o + 82), cvt(vand(b, 15), np.int16), cvt(vshr(b, 4), np.int32)
+
+
+@njit(inline="always")
+def _quants_q2_k(row, o, c):
+    return vand(vshr(ld(row, o + 16 + 32 * (c >> 2), 32), 2 * (c & 3)), 3)
+
+
+# Q3_K: 256 elements per 110-byte super-block (hmask:32, qs:64, scales:12, d:f16).
+#   chunk c = 4h + s: q = ((qs[32h + l] >> 2s) & 3) | ((hmask[l] >> c) & 1) << 2; w = d * sc * (q - 4).
+#   16 signed 6-bit scales: low4 = scales[j] & 15 (j < 8) or scales[j-8] >> 4;
+#   high2 = (scales[8 + j%4] >> 2(j//4)) & 3; sc = (low4 | high2 << 4) - 32.
+_OFF_Q3_K = 4
+
+
+@njit(inline="always")
+def _scales_q3_k(row, o):
+    lo8 = ld(row, o + 96, 8)
+    low = cat(vand(lo8, 15), vshr(lo8, 4))
+    h4 = ld(row, o + 104, 4)  # replicated 4 times; group g shifted by 2g
+    u32 = np.uint32
+    shifts = cat(cat(splat(u32(0), 1), splat(u32(2), 1)), cat(splat(u32(4), 1), splat(u32(6), 1)))
+    high = vand(view(vshr(view(cat(cat(h4, h4), cat(h4, h4)), np.uint32), shifts), np.uint8), 3)
+    sc = vsub(cvt(vor(low, vshl(high, 4)), np.int16), 32)
+    return half(row, o + 108), f32(0), sc, splat(i32(0), 16)
+
+
+@njit(inline="always")
+def _quants_q3_k(row, o, c):
+    low = vand(vshr(ld(row, o + 32 + 32 * (c >> 2), 32), 2 * (c & 3)), 3)
+    high = vand(vshr(ld(row, o, 32), c), 1)
+    return vor(low, vshl(high, 2))
+
+
+# Q4_K and Q5_K: (d:f16, dmin:f16, scales:12, ...) with a 6-bit scale and min per sub-block j
+#   of 32, s = the 12 bytes: j < 4: sc = s[j] & 63, m = s[j+4] & 63;
+#   j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, m = (s[j+4] >> 4) | (s[j] >> 6) << 4.
+_K4_A = shuffler(0, 1, 2, 3, 8, 9, 10, 11)  # s[j] (j < 4), s[j+4] (j >= 4)
+_K4_B = shuffler(4, 5, 6, 7, 0, 1, 2, 3)  # s[j+4] (j < 4), s[j-4] (j >= 4)
+_K4_C = shuffler(4, 5, 6, 7, 8, 9, 10, 11)  # s[j+4]
+_K4_D = shuffler(0, 1, 2, 3, 4, 5, 6, 7)  # s[j]
+
+
+@njit(inline="always")
+def _scales_k4(row, o):
+    s = ld(row, o + 4, 16)  # the 12 bytes (and 4 of what follows)
+    first = cat(splat(np.uint8(255), 4), splat(np.uint8(0), 4))  # lanes j < 4
+    last = cat(splat(np.uint8(0), 4), splat(np.uint8(255), 4))
+    a, hi_b, c, hi_d = _K4_A(s), vshl(vshr(_K4_B(s), 6), 4), _K4_C(s), vshl(vshr(_K4_D(s), 6), 4)
+    sc = vor(vand(a, vor(vand(first, 63), vand(last, 15))), vand(hi_b, last))
+    mn = vor(vand(c, vand(first, 63)), vand(vor(vshr(c, 4), hi_d), last))
+    return half(row, o), half(row, o + 2), _DUP8(cvt(sc, np.int16)), _DUP8(cvt(mn, np.int32))
+
+
+_MINS8 = shuffler(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)
+
+
+@njit(inline="always")
+def _scales_k4_dot(row, o):
+    """_scales_k4 for decode: the 6-bit fields unpacked in general-purpose registers, 4 at a time
+    (as llama.cpp's utmp), which leaves the vector ports to the products; sc one lane per
+    sub-block of 32 (lanes 8-15: the mins), mins as int16."""
+    s0, s1, s2 = word(row, o + 4), word(row, o + 8), word(row, o + 12)
+    sc = (s0 & 0x3F3F3F3F) | (((s2 & 0x0F0F0F0F) | (((s0 >> 6) & 0x03030303) << 4)) << 32)
+    mn = (s1 & 0x3F3F3F3F) | ((((s2 >> 4) & 0x0F0F0F0F) | (((s1 >> 6) & 0x03030303) << 4)) << 32)
+    v = cvt(view(pack2(sc, mn), np.uint8), np.int16)  # 8 scales (one per 32: _dot_k's nib), 8 mins
+    return half(row, o), half(row, o + 2), v, _MINS8(v)
+
+
+# Q4_K: 256 elements per 144-byte super-block (d:f16, dmin:f16, scales:12, qs:128).
+#   chunk c = 2i + s: q = (qs[32i + l] >> 4s) & 15.
+_OFF_Q4_K = 0
+
+
+@njit(inline="always")
+def _quants_q4_k(row, o, c):
+    return vand(vshr(ld(row, o + 16 + 32 * (c >> 1), 32), 4 * (c & 1)), 15)
+
+
+# Q5_K: 256 elements per 176-byte super-block (d:f16, dmin:f16, scales:12, qh:32, qs:128).
+#   chunk c as Q4_K, plus bit 4 = (qh[l] >> c) & 1.
+_OFF_Q5_K = 0
+
+
+@njit(inline="always")
+def _quants_q5_k(row, o, c):
+    low = vand(vshr(ld(row, o + 48 + 32 * (c >> 1), 32), 4 * (c & 1)), 15)
+    return vor(low, vshl(vand(vshr(ld(row, o + 16, 32), c), 1), 4))
+
+
+# Q6_K: 256 elements per 210-byte super-block (ql:128, qh:64, scales:16 int8, d:f16).
+#   chunk c = 4h + t: q = (ql[64h + 32(t&1) + l] >> 4(t>>1)) & 15 | ((qh[32h + l] >> 2t) & 3) << 4;
+#   w = d * sc * (q - 32).
+_OFF_Q6_K = 32
+
+
+@njit(inline="always")
+def _scales_q6_k(row, o):
+    sc = cvt(cvt(ld(row, o + 192, 16), np.int8), np.int16)
+    return half(row, o + 208), f32(0), sc, splat(i32(0), 16)
+
+
+@njit(inline="always")
+def _quants_q6_k(row, o, c):
+    h, t = c >> 2, c & 3
+    low = vand(vshr(ld(row, o + 64 * h + 32 * (t & 1), 32), 4 * (t >> 1)), 15)
+    high = vand(vshr(ld(row, o + 128 + 32 * h, 32), 2 * t), 3)
+    return vor(low, vshl(high, 4))
+
+
+# IQ4_XS: 256 elements per 136-byte super-block (d:f16, scales_h:u16, scales_l:4, qs:128); sub-
+#   block j of 32 (chunk c = j): ls = (scales_l[j/2] >> 4(j%2)) & 15 | ((scales_h >> 2j) & 3) << 4,
+#   quants qs[16j:16j+16] as IQ4_NL's (plus 128); w = d * (ls - 32) * KVALUES[q].
+_OFF_IQ4_XS = 128
+_SPREAD_L = shuffler(0, 0, 1, 1, 2, 2, 3, 3)  # scales_l byte of sub-block j
+_SPREAD_H = shuffler(0, 0, 0, 0, 1, 1, 1, 1)  # scales_h byte of sub-block j
+
+
+@njit(inline="always")
+def _scales_iq4_xs(row, o):
+    u8 = np.uint8
+    s2 = cat(splat(u8(0), 1), splat(u8(4), 1))
+    s4 = cat(cat(splat(u8(0), 1), splat(u8(2), 1)), cat(splat(u8(4), 1), splat(u8(6), 1)))
+    low = vand(vshr(_SPREAD_L(ld(row, o + 4, 4)), cat(cat(s2, s2), cat(s2, s2))), 15)
+    high = vand(vshr(_SPREAD_H(ld(row, o + 2, 2)), cat(s4, s4)), 3)
+    sc = vsub(cvt(vor(low, vshl(high, 4)), np.int16), 32)
+    return half(row, o), f32(0), _DUP8(sc), splat(i32(0), 16)
+
+
+@njit(inline="always")
+def _quants_iq4_xs(row, o, c):
+    return _IQ4(_nibbles(ld(row, o + 8 + 16 * c, 16)))
+
+
+@njit(inline="always")
+def _half_iq4_xs(row, o, h):
+    """(lo, hi) of sub-blocks 4h..4h+3 in the quad layout: their 64 bytes of nibbles, one load."""
+    lo, hi = _split(ld(row, o + 8 + 64 * h, 64))
+    return _IQ4(lo), _IQ4(hi)
+
+
+# Pairs of K-type chunks (decode): pair(w, o, i) -> uint8 x 64, elements 64i..64i+63 of the
+# super-block at o (chunks 2i and 2i+1), one 512-bit vector: the 32 bytes the two chunks share
+# loaded once into both halves, each half shifted by its own count (shifts of 64-bit lanes: the
+# bits shifted in from the next byte are masked off).
+@njit(inline="always")
+def _both(v, s0, s1):
+    u64 = np.uint64
+    return view(vshr(view(cat(v, v), u64), cat(splat(u64(s0), 4), splat(u64(s1), 4))), np.uint8)
+
+
+@njit(inline="always")
+def _pair_q2_k(row, o, i):
+    s = 4 * (i & 1)
+    return vand(_both(ld(row, o + 16 + 32 * (i >> 1), 32), s, s + 2), 3)
+
+
+@njit(inline="always")
+def _pair_q3_k(row, o, i):
+    s = 4 * (i & 1)
+    low = vand(_both(ld(row, o + 32 + 32 * (i >> 1), 32), s, s + 2), 3)
+    return vor(low, vshl(vand(_both(ld(row, o, 32), 2 * i, 2 * i + 1), 1), 2))
+
+
+# Q4_K, Q5_K: half h of the super-block as (lo, hi) = chunks (4h, 4h+2) and (4h+1, 4h+3), the
+# low and high nibbles of one 64-byte load; the activations are permuted to match (_acts_k4).
+@njit(inline="always")
+def _quad_q4_k(row, o, h):
+    return _split(ld(row, o + 16 + 64 * h, 64))
+
+
+@njit(inline="always")
+def _quad_q5_k(row, o, h):
+    lo, hi = _split(ld(row, o + 48 + 64 * h, 64))
+    qh = ld(row, o + 16, 32)
+    lo = vor(lo, vshl(vand(_both(qh, 4 * h, 4 * h + 2), 1), 4))
+    return lo, vor(hi, vshl(vand(_both(qh, 4 * h + 1, 4 * h + 3), 1), 4))
+
+
+@njit(inline="always")
+def _pair_q6_k(row, o, i):
+    # chunks 4h + 2u and 4h + 2u + 1 (h = i // 2, u = i % 2): ql[64h:64h+64] >> 4u, one load
+    u = i & 1
+    low = vand(view(vshr(view(ld(row, o + 64 * (i >> 1), 64), np.uint16), 4 * u), np.uint8), 15)
+    return vor(low, vshl(vand(_both(ld(row, o + 128 + 32 * (i >> 1), 32), 4 * u, 4 * u + 2), 3), 4))
+
+
+# F32 / F16 / BF16: rows of 4 / 2 / 2-byte little-endian floats; element i of the row at byte ro
+# as float32 x n.
+@njit(inline="always")
+def _load_f32(row, ro, i, n):
+    return ld_f32(row, ro + 4 * i, n)
+
+
+@njit(inline="always")
+def _load_f16(row, ro, i, n):
+    return ld_f16(row, ro + 2 * i, n)
+
+
+@njit(inline="always")
+def _load_bf16(row, ro, i, n):
+    return ld_bf16(row, ro + 2 * i, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prefill decoders of each quantized type, one switch (the decode dots pair other decoders
+# with each type: qmatmul._dot_rows).
+# ---------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _each_block(qtype, on_32, on_k, a):
+    """on_32(a, block, nbytes) for a 32-element type, on_k(a, scales, quants, nbytes, off, sb)
+    for a 256-element one (sb: its sub-block of one scale, 16 or 32); a: the caller's arguments."""
+    if qtype == Q4_0:
+        on_32(a, _block_q4_0, _NB_Q4_0)
+    elif qtype == Q4_1:
+        on_32(a, _block_q4_1, _NB_Q4_1)
+    elif qtype == Q5_0:
+        on_32(a, _block_q5_0, _NB_Q5_0)
+    elif qtype == Q5_1:
+        on_32(a, _block_q5_1, _NB_Q5_1)
+    elif qtype == Q8_0:
+        on_32(a, _block_q8_0, _NB_Q8_0)
+    elif qtype == IQ4_NL:
+        on_32(a, _block_iq4_nl, _NB_IQ4_NL)
+    elif qtype == Q2_K:
+        on_k(a, _scales_q2_k, _quants_q2_k, _NB_Q2_K, _OFF_Q2_K, 16)
+    elif qtype == Q3_K:
+        on_k(a, _scales_q3_k, _quants_q3_k, _NB_Q3_K, _OFF_Q3_K, 16)
+    elif qtype == Q4_K:
+        on_k(a, _scales_k4, _quants_q4_k, _NB_Q4_K, _OFF_Q4_K, 32)
+    elif qtype == Q5_K:
+        on_k(a, _scales_k4, _quants_q5_k, _NB_Q5_K, _OFF_Q5_K, 32)
+    elif qtype == Q6_K:
+        on_k(a, _scales_q6_k, _quants_q6_k, _NB_Q6_K, _OFF_Q6_K, 16)
+    else:  # IQ4_XS
+        on_k(a, _scales_iq4_xs, _quants_iq4_xs, _NB_IQ4_XS, _OFF_IQ4_XS, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Work items of a fused weight ws (three parts of one type, outputs side by side): tiles of
+# `rows` rows of each part in turn.
+# ---------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _part(item, n0, n1):
+    """Work item -> (part, item within the part) for three parts of n0, n1 and the rest items."""
+    if item < n0:
+        return 0, item
+    if item < n0 + n1:
+        return 1, item - n0
+    return 2, item - n0 - n1
+
+
+@njit(inline="always")
+def _tiles(ws, rows):
+    """How many tiles each part has."""
+    return (ws[0].shape[0] + rows - 1) // rows, (ws[1].shape[0] + rows - 1) // rows, (ws[2].shape[0] + rows - 1) // rows
+
+
+@njit(inline="always")
+def _tile_at(ws, item, t0, t1, rows, col0):
+    """Work item -> (its part, the part's first output column, the tile's first row, its rows)
+    for parts of t0, t1 and the rest tiles whose outputs start at column col0."""
+    p, tile = _part(np.int64(item), t0, t1)  # (prange indices may be unsigned)
+    w = ws[p]
+    col = col0 + (0 if p == 0 else (ws[0].shape[0] if p == 1 else ws[0].shape[0] + ws[1].shape[0]))
+    r0 = tile * rows
+    return w, col, r0, min(rows, w.shape[0] - r0)
