@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -226,6 +228,24 @@ class _Bar:
         self.show(1.0, f"{note} in ", end="\n")
 
 
+@contextmanager
+def _no_sigint():
+    """A Ctrl-C in the block is held back and raised at its end, once a started worker is on
+    record to be killed (inside Popen it would leave the child unknown). Main thread only,
+    where Python runs signal handlers; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    old = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
+        if got:
+            raise KeyboardInterrupt
+
+
 def _compile_in_workers(bar: _Bar, n_workers: int) -> None:
     """Run GROUPS in child processes, n_workers at a time, a group once the groups it calls are done."""
     est = {g[0]: g[2] for g in GROUPS}
@@ -236,10 +256,11 @@ def _compile_in_workers(bar: _Bar, n_workers: int) -> None:
             for g in list(waiting):
                 if len(running) < n_workers and all(d in done for d in g[3]):
                     waiting.remove(g)
-                    running[g[0]] = (subprocess.Popen([sys.executable, "-m", "edgekv.warmup", g[0]], env=env,
-                                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                      stderr=subprocess.DEVNULL, start_new_session=True),
-                                     time.perf_counter(), g[1])
+                    with _no_sigint():  # a Ctrl-C inside Popen would leave its child unknown here
+                        running[g[0]] = (subprocess.Popen([sys.executable, "-m", "edgekv.warmup", g[0]], env=env,
+                                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                          stderr=subprocess.DEVNULL, start_new_session=True),
+                                         time.perf_counter(), g[1])
             time.sleep(0.1)
             for name, (proc, _, _) in list(running.items()):
                 if proc.poll() is not None:  # a failed worker only leaves its kernels to compile here
