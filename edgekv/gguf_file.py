@@ -4,7 +4,7 @@ A model file is untrusted input (users download GGUFs from strangers) and the ke
 data without bounds checks, so everything is checked here first: every count, length and offset
 against the file size and a plausible maximum, every tensor inside the data section, aligned and
 disjoint, its shape whole blocks of its type; then edgekv.validate.check_metadata checks the
-types and ranges of the metadata keys edgekv reads. Any violation is a ModelFileError (or
+types of the general and tokenizer keys, and `get` the range of each hyperparameter as it is read. Any violation is a ModelFileError (or
 UnsupportedModelError for a valid file edgekv cannot run) naming the key or tensor.
 
 The `gguf` package is the reference for the format (its enums and block sizes are used here and
@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import ModelFileError, UnsupportedModelError
 from .quants import QUANT_TYPES
-from .validate import check_metadata
+from .validate import check_arch_key, check_metadata
 
 # GGUF metadata value types -> (struct format, size); 8 = string, 9 = array.
 _SCALAR = {
@@ -333,7 +333,7 @@ class GGUFFile:
 
     def get(self, key: str, default=None, *, kind: type | tuple | None = None):
         """A metadata value, checked to be of `kind` (int accepts any integer type, float
-        accepts int; bool is neither)."""
+        accepts int; bool is neither) and, for an `<arch>.` hyperparameter, in its range."""
         if key not in self.meta:
             return default
         v = self.meta[key]
@@ -342,6 +342,9 @@ class GGUFFile:
             if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
                 raise ModelFileError(f"{self.path.name}: metadata key {key} is {type(v).__name__} {v!r:.60}, "
                                      f"expected {_kind_name(kind)}")
+        arch = self.meta.get("general.architecture")  # a string: check_metadata saw it
+        if arch is not None:
+            check_arch_key(arch, key, v)
         return v
 
     def require(self, key: str, kind: type | tuple | None = None):

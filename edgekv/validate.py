@@ -1,12 +1,13 @@
 """What a GGUF's metadata must satisfy before edgekv trusts it.
 
-Two stages, both raising ModelFileError with the key or tensor and what was expected:
-- check_metadata(meta): run by GGUFFile on open. The keys edgekv reads have the type the GGUF
-  spec gives them and a plausible value (head counts >= 1, finite positive RoPE base, ...), and
-  the tokenizer arrays have one entry per token, so no later `int(v)`, division or `len` meets a
-  value of the wrong kind. Hyperparameters are checked only for architectures edgekv runs (an
-  unknown architecture is refused by models.model_module, with a clearer message). Keys edgekv
-  does not read are not checked.
+Three checks, each raising ModelFileError with the key or tensor and what was expected:
+- check_metadata(meta): run by GGUFFile on open. The general and tokenizer keys have the type the
+  GGUF spec gives them, and the tokenizer arrays have one entry per token, so no later `int(v)`
+  or `len` meets a value of the wrong kind. Keys edgekv does not read are not checked.
+- check_arch_key(arch, key, v): run by GGUFFile.get on every `<arch>.` key a model reads, so a
+  hyperparameter has a plausible value (head counts >= 1, finite positive RoPE base, ...) before
+  any division meets it. Checked where it is read: an architecture edgekv does not run (whose
+  keys may be arrays, as OpenELM's head counts) is refused by models.model_module, not here.
 - validate_model(f, cfg): once an architecture's Config is built (its validate() has checked the
   tensor shapes), what ties metadata and tensors together: the vocabulary matches the embedding,
   the special tokens generation relies on lie inside it, the RoPE width fits a head, a sliding
@@ -21,7 +22,6 @@ from typing import Callable
 import numpy as np
 
 from .errors import ModelFileError
-from .models import ARCHITECTURES, model_module
 
 MAX_CONTEXT = 1 << 24  # trained context lengths: at most ~1e7 today (Llama 4 Scout: 10M)
 # Special tokens generation relies on must lie in the vocabulary. Others (padding, fim_*) may
@@ -70,7 +70,7 @@ GENERAL_KEYS = {
     "tokenizer.ggml.add_space_prefix": _FLAG,
     "tokenizer.chat_template": _STR,
 }
-# keys under "<arch>." for the architectures edgekv runs
+# keys under "<arch>.", as the models read them
 ARCH_KEYS = {
     "context_length": _int(1, MAX_CONTEXT),
     "embedding_length": _int(1, 1 << 20),
@@ -129,21 +129,13 @@ def check_metadata(meta: dict) -> None:
             if key in meta and len(meta[key]) != len(tokens):
                 raise ModelFileError(f"metadata key {key} has {len(meta[key])} entries, "
                                      f"expected one per token ({len(tokens)})")
-    arch = meta.get("general.architecture")
-    if arch in ARCHITECTURES:
-        for suffix, rule in ARCH_KEYS.items():
-            key = f"{arch}.{suffix}"
-            if key in meta:
-                _check(key, meta[key], rule)
-        if "sliding_window" in model_module(arch).Config.__dataclass_fields__:  # only where a window is used
-            _check_window(meta.get(f"{arch}.attention.sliding_window", 0), meta.get(f"{arch}.context_length"), arch)
 
 
-def _check_window(window: int, n_ctx_train: int | None, arch: str) -> None:
-    # a window ring is allocated at the window's size: it must not exceed what the model was trained on
-    if n_ctx_train is not None and window > n_ctx_train:
-        raise ModelFileError(f"metadata key {arch}.attention.sliding_window is {window}, larger than "
-                             f"{arch}.context_length ({n_ctx_train})")
+def check_arch_key(arch: str, key: str, v) -> None:
+    """Type and range of the hyperparameter `key` (= "<arch>.<suffix>") as a model reads it."""
+    rule = ARCH_KEYS.get(key[len(arch) + 1:]) if key.startswith(arch + ".") else None
+    if rule is not None:
+        _check(key, v, rule)
 
 
 def validate_model(f, cfg) -> None:
@@ -183,4 +175,8 @@ def validate_model(f, cfg) -> None:
                 raise ModelFileError(f"tensor {name} is {t.type_name} {t.shape}, expected F32 or F16 ({width},)")
     if not 1 <= cfg.n_ctx_train <= MAX_CONTEXT:
         raise ModelFileError(f"context length {cfg.n_ctx_train} is not plausible (1 to {MAX_CONTEXT})")
-    _check_window(getattr(cfg, "sliding_window", 0), cfg.n_ctx_train, cfg.arch)
+    # a window ring is allocated at the window's size: it must not exceed what the model was trained on
+    window = getattr(cfg, "sliding_window", 0)
+    if window > cfg.n_ctx_train:
+        raise ModelFileError(f"metadata key {cfg.arch}.attention.sliding_window is {window}, larger than "
+                             f"{cfg.arch}.context_length ({cfg.n_ctx_train})")
