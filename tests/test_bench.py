@@ -125,3 +125,27 @@ def test_compare_runs_the_runtimes_in_turn_when_both_do_not_fit(tmp_path, monkey
     assert not bench.run_bench(path, prompt=(8,), gen=(2,), reps=1, threads=(1,), compare=True,
                                progress=False)["in_turn"]
     assert [n for n, _ in seen][:2] == ["edgekv", "llama.cpp"]  # interleaved rep by rep
+
+
+def test_bench_fills_a_depth_once_and_trims_back(tmp_path, monkeypatch):
+    """At depth d each rep starts from the same d tokens, prefilled once and trimmed back before
+    the next rep (re-prefilling a 4K depth every rep took most of an hour on 2 cores), and the
+    trimmed cache is the freshly filled one: the next token's logits are the same bits."""
+    import numpy as np
+
+    from edgekv import bench
+    from edgekv.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "t.gguf", arch="llama", size="tiny", qtype="q4_0", progress=False)
+    r = bench.EdgekvRunner(path, 64, "int8", 1)
+    calls, forward = [], r.llm.forward
+    monkeypatch.setattr(r.llm, "forward", lambda ids, cache, pos, **kw: calls.append((len(ids), pos))
+                        or forward(ids, cache, pos, **kw))
+    for test in ("tg4", "pp6", "tg4"):
+        r.run(bench.Case(test, int(test[2:]), 8, "int8", 1), np.random.default_rng(0))
+    assert [c for c in calls if c[1] == 0] == [(8, 0)]  # the depth, once
+    assert calls[1:] == [(1, 8), (1, 9), (1, 10), (1, 11), (6, 8), (1, 8), (1, 9), (1, 10), (1, 11)]
+    trimmed = r.at_depth(8, np.random.default_rng(0))
+    fresh = r.llm.new_cache()
+    forward(np.random.default_rng(0).integers(0, r.vocab, 8).tolist(), fresh, 0)
+    np.testing.assert_array_equal(forward([5], trimmed, 8), forward([5], fresh, 8))
