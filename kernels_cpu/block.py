@@ -140,12 +140,15 @@ def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_at
         (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv, float(rope_mag))
 
 
-def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, at: tuple, shift: int) -> np.ndarray:
+def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, at: tuple, shift: int,
+                 threads: int | None = None) -> np.ndarray:
     """x (1, d) float32, C-contiguous: the residual stream of one token at q_pos (1,) int64, updated
     in place through the block `pack` (block_pack) over a layer's cache (kvquant.kv_decode_layer;
     at and shift from the cache's plan, as kv_decode takes them). Unchecked: a backend's decode
-    step. Returns x; the caller's cache commits the plan."""
+    step. threads: the calling thread's numba count, where the caller knows it (numba's
+    get_num_threads costs ~1.4 us, a layer's whole cache bookkeeping ~1). Returns x; the caller's
+    cache commits the plan."""
     W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads, mag) = pack
     _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, shift, mag), layer, at,
-                (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), softcap)
+                (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, threads or get_num_threads()), softcap)
     return x

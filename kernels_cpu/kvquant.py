@@ -896,7 +896,7 @@ def kv_decode_layer(kind: str, k_arr: np.ndarray, k_scale: np.ndarray, v_arr: np
 
 
 def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, at: tuple,
-              rope: tuple, scale: float, out: np.ndarray, softcap: float = 0.0) -> np.ndarray:
+              rope: tuple, scale: float, out: np.ndarray, softcap: float = 0.0, threads: int | None = None) -> np.ndarray:
     """One token through a layer's cache (kv_decode_layer) in one call, unchecked (a backend's
     decode step): what kv_space, kv_store of k and v, kv_attention (the token itself read exact
     when the layer keeps recent copies) and the exact-row write do one after another.
@@ -904,8 +904,9 @@ def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: 
     at (slot, n_ring, exact_lo, exact_row): the cache's plan for the token (edgekv.kvcache.Plan),
     its position already recorded in the ring's pos. rope (inv_freq (n_rot/2,) float64, neox,
     shift): once the ring is full, sinks are scored by q turned back by shift positions
-    (kv_attention's q_sink and sink_bias). softcap: kv_attention's. Writes out (1, H, hd) and
+    (kv_attention's q_sink and sink_bias). softcap: kv_attention's. threads: the calling thread's
+    numba count where the caller knows it (block.decode_block's). Writes out (1, H, hd) and
     returns it; the caller's cache records the exact row and advances its cursor."""
     _decode_core(layer, q, k, v, q_pos, at, rope, np.float32(scale),
-                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads()), out, np.float32(softcap))
+                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, threads or get_num_threads()), out, np.float32(softcap))
     return out

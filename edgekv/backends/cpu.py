@@ -115,6 +115,11 @@ class _Step:
             self.tuner.end(dt, self.tokens)
 
 
+def _threads() -> int | None:
+    """The calling thread's numba count inside a forward pass (its _Step set it), else None."""
+    return RUNNING.get(threading.get_native_id())
+
+
 class CPUBackend(AttentionStep):
     name = "cpu"
 
@@ -184,7 +189,7 @@ class CPUBackend(AttentionStep):
             return False
         plan = kv.plan(pos)
         kv.place(plan)
-        self.blk.decode_block(pack, x, pos, self._layer(kv), plan.one_token, plan.shift)
+        self.blk.decode_block(pack, x, pos, self._layer(kv), plan.one_token, plan.shift, _threads())
         kv.commit(plan)
         return True
 
@@ -246,7 +251,7 @@ class CPUBackend(AttentionStep):
         q = np.ascontiguousarray(q)
         return self.kvq.kv_decode(self._layer(kv), q, np.ascontiguousarray(k, dtype=np.float32),
                                   np.ascontiguousarray(v, dtype=np.float32), q_pos, plan.one_token,
-                                  (rope.freqs, rope.neox, plan.shift), scale, np.empty_like(q), softcap)
+                                  (rope.freqs, rope.neox, plan.shift), scale, np.empty_like(q), softcap, _threads())
 
     def inputs(self, q, k, v):
         return (np.ascontiguousarray(q), np.ascontiguousarray(k, dtype=np.float32),
