@@ -11,6 +11,7 @@ from typing import Iterator
 from .errors import EdgekvError, SessionFileError
 from .generate import Event, Sequence, Stats, generate
 from .kvfile import cache_arrays, load_cache, read_file, write_file
+from .prompt_cache import system_prefix
 from .sampling import Sampler, SamplingParams
 
 
@@ -73,6 +74,7 @@ class ChatSession:
             try:
                 ids = self._prompt_ids()
                 rendered = self._render()
+                keep = system_prefix(self.llm, self.messages(), ids, template_vars=self.template_vars)
             except BaseException:  # Ctrl-C too: a user turn without a reply would break alternation
                 self.history.pop()
                 raise
@@ -82,7 +84,7 @@ class ChatSession:
             finished = False
             try:
                 for e in generate(self.llm, self.seq, ids, self.sampler, max_tokens=max_tokens, stop=stop,
-                                  cancel=cancel, stats=self.stats):
+                                  cancel=cancel, stats=self.stats, keep=keep):
                     reply.append(e.text)
                     yield e
                 finished = True
