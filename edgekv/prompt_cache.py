@@ -68,7 +68,7 @@ def _checksum(arrays) -> str:
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
-        h.update(a.tobytes())
+        h.update(a.reshape(-1).view(np.uint8))
     return h.hexdigest()
 
 
@@ -138,10 +138,13 @@ class PromptCache:
         if entry is None:
             return have, "", None
         try:
-            load_cache(seq.cache, entry.metas, entry.arrays, len(entry.tokens))
-        except ValueError:  # checked when it was read: only a model changed under us gets here
+            load_cache(seq.cache, entry.metas, entry.arrays, len(entry.tokens))  # shapes, dtypes, ranges
+        except ValueError as e:  # only a file gets here: what memory holds was taken from a cache like seq's
             seq.reset()
+            self._warn(self._names(entry.tokens, len(entry.tokens))[-1], f"an entry is corrupt: {e}; not used")
             return 0, "", None
+        if source == "disk":
+            self._keep(entry)
         if n < len(entry.tokens):
             seq.cache.trim(n)
         seq.tokens = list(ids[:n])
@@ -212,13 +215,13 @@ class PromptCache:
                     os.utime(d / name)  # recently used: evicted last
                 except OSError:
                     pass
-                self._keep(entry)
                 return entry
         return None
 
     def _read(self, path: Path, ids) -> Entry | None:
         """The entry in path, for the prefix ids, or None after one warning line (a bad file is
-        never used; it stays until evicted, and is warned about once per process)."""
+        never used, and is warned about once per process; the cold run that follows replaces
+        it). Shapes, dtypes and ranges are checked as `restore` loads it (LayerKV.load_state)."""
         llm = self.llm
         try:
             try:
@@ -243,7 +246,6 @@ class PromptCache:
                 if not isinstance(metas, list) or any(not isinstance(m, dict) or m.get("n_written") != len(tokens)
                                                       for m in metas):
                     raise ValueError("its layers do not hold exactly its tokens")
-                load_cache(llm.new_cache(), metas, got, len(tokens))  # shapes, dtypes, ranges
             except Exception as e:  # anything a damaged file makes numpy, zipfile or the checks raise
                 raise PromptCacheError(f"{path.name} is corrupt: {e or type(e).__name__}") from None
         except PromptCacheError as e:
