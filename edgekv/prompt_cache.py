@@ -299,6 +299,9 @@ class PromptCache:
         warnings.warn(f"prompt cache: {message}", stacklevel=2)
 
 
+_MEMO_LOCK = threading.Lock()
+
+
 def system_prefix(llm, messages, ids, *, tools=None, template_vars=None) -> int:
     """Tokens at the start of a chat's ids that stand for its system prompt (the system turn as
     the template writes it, up to where the first user message starts), when they are MIN_TOKENS
@@ -312,15 +315,18 @@ def system_prefix(llm, messages, ids, *, tools=None, template_vars=None) -> int:
         return 0
     key = (least, content, json.dumps(tools, sort_keys=True, default=str), json.dumps(template_vars or {}, sort_keys=True,
                                                                              default=str))
-    memo = llm.__dict__.setdefault("_system_prefixes", OrderedDict())
-    if key not in memo:
+    with _MEMO_LOCK:
+        memo = llm.__dict__.setdefault("_system_prefixes", OrderedDict())
+        prefix = memo.get(key)
+    if prefix is None:
         probe = [llm.chat_ids(llm.template.render([messages[0], {"role": "user", "content": c}],
                                                   add_generation_prompt=True, tools=tools, **(template_vars or {})))
                  for c in ("a", "b")]
         n = _common(*probe)
-        memo[key] = probe[0][:n] if n >= least else []
-        while len(memo) > 16:
-            memo.popitem(last=False)
-    prefix = memo[key]
+        prefix = probe[0][:n] if n >= least else []
+        with _MEMO_LOCK:
+            memo[key] = prefix
+            while len(memo) > 16:
+                memo.popitem(last=False)
     n = len(prefix)
     return n if n and n < len(ids) and list(ids[:n]) == prefix else 0
