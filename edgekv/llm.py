@@ -148,6 +148,8 @@ class LLM:
             raise EdgekvError("empty prompt: nothing to continue from")
         if max_tokens < 0:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not 0 <= keep < len(ids):
+            raise EdgekvError(f"keep must be in [0, {len(ids)}) for this prompt, got {keep}")
         self.stats = stats = stats if stats is not None else Stats()
         yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
                             stop=stop, cancel=cancel, stats=stats, keep=keep, remember=not keep)

@@ -298,3 +298,13 @@ def test_a_new_process_reads_the_disk_cache(tmp_path):
     assert runs[0]["cached_tokens"] == 0 and runs[1]["cached_from"] == "disk"
     assert 256 <= runs[1]["cached_tokens"] < runs[1]["prompt_tokens"] and runs[0]["text"] == runs[1]["text"]
     assert len(list((tmp_path / "prompt-cache").iterdir())) == 1
+
+
+def test_keep_out_of_range_is_one_error():
+    from edgekv import EdgekvError
+
+    llm = new_llm("f16", prompt_cache=False)
+    ids = llm.tokenize("Hello there, how are you?")
+    for keep in (-1, len(ids)):
+        with pytest.raises(EdgekvError, match="keep must be in"):
+            list(llm.generate(ids, max_tokens=1, keep=keep))
