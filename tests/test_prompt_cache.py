@@ -211,8 +211,9 @@ def test_bad_files_on_disk_are_ignored_with_one_warning(tmp_path, recwarn):
         "flipped": lambda: path.write_bytes(bytes(flipped)),
         "another model": lambda: _rewrite(path, header=lambda h: h["model"].update(header_sha256="0" * 64)),
         "another cache": lambda: _rewrite(path, header=lambda h: h.update(kv="int8")),
-        "wrong shapes": lambda: _rewrite(path, arrays=lambda a: a.update(k3=a["k3"][:, :, :4])),
-        "positions out of range": lambda: _rewrite(path, arrays=lambda a: a["pos2"].__setitem__(0, 10**6)),
+        "wrong shapes": lambda: _rewrite(path, arrays=lambda a: a.update(k=a["k"][:, :, :, :4])),
+        "a layer short": lambda: _rewrite(path, arrays=lambda a: a.update(v=a["v"][1:])),
+        "positions out of range": lambda: _rewrite(path, arrays=lambda a: a["pos"].__setitem__((2, 0), 10**6)),
         "not its tokens": lambda: _rewrite(path, header=lambda h: h["tokens"].__setitem__(-1, 7)),
     }
     for what, damage in damages.items():
