@@ -13,6 +13,7 @@ from .errors import (  # noqa: E402
     EdgekvError,
     ModelFileError,
     ModelNotFoundError,
+    PromptCacheError,
     SessionFileError,
     TemplateError,
     UnsupportedModelError,
@@ -22,5 +23,5 @@ from .session import ChatSession  # noqa: E402
 
 __all__ = [
     "LLM", "load", "ChatSession", "EdgekvError", "ModelFileError", "UnsupportedModelError", "ModelNotFoundError",
-    "DownloadError", "TemplateError", "SessionFileError", "ContextError", "DeviceError", "__version__",
+    "DownloadError", "TemplateError", "SessionFileError", "PromptCacheError", "ContextError", "DeviceError", "__version__",
 ]

@@ -105,7 +105,8 @@ def _sampling_args(args) -> dict:
 
 
 def _load_args(args) -> dict:
-    return dict(n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, gpu_layers=args.gpu_layers)
+    return dict(n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, gpu_layers=args.gpu_layers,
+                prompt_cache=not args.no_prompt_cache, prompt_cache_size=args.prompt_cache_size)
 
 
 def read_text_file(path: str) -> str:
@@ -132,21 +133,24 @@ def cmd_run(args) -> int:
     import json
 
     from .llm import load
-
+    from .prompt_cache import system_prefix
     from .warmup import prepare
 
     prompt = _run_prompt(args)
     llm = load(args.model, progress=not args.quiet, **_load_args(args))
     prepare(llm, progress=not args.quiet)  # a fresh install compiles first: say so, behind a bar
+    keep = 0
     if args.chat or args.system is not None:
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        prompt_in = llm.chat_ids(llm.template.render([*system, {"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True))
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": prompt})
+        prompt_in = llm.chat_ids(llm.template.render(messages, add_generation_prompt=True))
+        keep = system_prefix(llm, messages, prompt_in)  # a long system prompt: from the prompt cache
     else:
         prompt_in = prompt
     pieces, reason = [], None
     tty = sys.stdout.isatty()  # a terminal gets control characters escaped, a pipe the exact text
-    for e in llm.generate(prompt_in, max_tokens=args.max_tokens, stop=args.stop or (), **_sampling_args(args)):
+    for e in llm.generate(prompt_in, max_tokens=args.max_tokens, stop=args.stop or (), keep=keep,
+                          **_sampling_args(args)):
         pieces.append(e.text)
         reason = e.finish_reason or reason
         if not args.json:
@@ -168,7 +172,7 @@ HELP = """commands:
   /system --clear  remove the system prompt (and reset)
   /save FILE       save the session (cache included) to FILE
   /load FILE       continue a saved session
-  /stats           speed of the last reply, tokens prefilled this turn, KV use
+  /stats           speed of the last reply, tokens prefilled and cached this turn, KV use
   /kv              cache type, capacity and fill
   /exit            quit (Ctrl-D works too)
 Ctrl-C stops the current reply and keeps the chat. End a line with \\ to continue on the next."""
@@ -224,6 +228,27 @@ def _read_message(style: Style) -> str:
         print(style.reset, end="", flush=True)
 
 
+COLD_TOKENS = 64  # a prefill this long measures the cold speed /stats compares a cached turn with
+
+
+def reuse_line(st, cold_tps: float) -> str:
+    """/stats's second line: the tokens this turn took from a cache and the effective prompt
+    speed (all prompt tokens over the prefill time) against a cold prefill's speed."""
+    if not st.prompt_tokens:
+        return "no turn yet"
+    where = {"sequence": "this chat's cache", "memory": "the prompt cache in memory",
+             "disk": "the prompt cache on disk"}.get(st.cached_from, "a cache")
+    line = (f"cached {st.cached_tokens} of {st.prompt_tokens} prompt tokens" + (f" (from {where})" if st.cached_tokens else "")
+            + f"; time to first token {st.prefill_s * 1e3:.0f} ms")
+    if st.cached_tokens and st.prefill_s and cold_tps:
+        eff = st.prompt_tokens / st.prefill_s
+        line += (f": effective {eff:.0f} tok/s, {eff / cold_tps:.1f}x a cold prefill ({cold_tps:.0f} tok/s, "
+                 f"~{st.prompt_tokens / cold_tps * 1e3:.0f} ms for this prompt)")
+    elif st.cached_tokens:
+        line += " (no cold prefill measured in this chat yet to compare with)"
+    return line
+
+
 def _kv_line(sess) -> str:
     from .generate import Stats
 
@@ -276,6 +301,7 @@ class Chat:
         self.llm, self.sess = llm, sess
         self.stop = tuple(stop)
         self.style = style or Style(False)
+        self.cold_tokens, self.cold_tps = 0, 0.0  # the largest prefill this chat computed, and its speed
 
     def step(self, text: str) -> bool:
         """Handle one line; False to exit."""
@@ -307,6 +333,7 @@ class Chat:
             print(cut_note(self.sess.max_tokens, self.style) if reason == "length" else "", flush=True)
         except EdgekvError as e:
             print(f"\nerror: {e}" if started else f"error: {e}", flush=True)
+        self._remember_speed()
 
     def _help(self, arg):
         print(HELP)
@@ -337,6 +364,13 @@ class Chat:
         st = self.sess.stats
         print(f"prefill {st.prefill_tokens} of {st.prompt_tokens} prompt tokens ({st.prefill_tps:.1f} tok/s), "
               f"decode {st.generated_tokens} tokens ({st.decode_tps:.1f} tok/s); " + _kv_line(self.sess))
+        print(reuse_line(st, self.cold_tps))
+
+    def _remember_speed(self) -> None:
+        """The prefill speed of the largest uncached prefill so far: what a cold turn costs."""
+        st = self.sess.stats
+        if st.prefill_tokens >= COLD_TOKENS and st.prefill_tokens > self.cold_tokens and st.prefill_tps:
+            self.cold_tokens, self.cold_tps = st.prefill_tokens, st.prefill_tps
 
     def _kv(self, arg):
         print(_kv_line(self.sess))
@@ -477,6 +511,14 @@ def comma_list(item):
     return parse
 
 
+def byte_size(text: str) -> int:
+    """An argparse type: a number of bytes, with an optional K, M or G (powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)i?b?\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1G, 512M, 1000000)")
+    return int(m[1]) * 1024 ** " kmg".index(m[2] or " ")
+
+
 def kv_kind(text: str) -> str:
     """An argparse type: one of the KV cache types."""
     if text not in KV_KINDS:
@@ -508,6 +550,10 @@ def _add_load_args(s) -> None:
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="auto: cuda when a GPU is usable")
     s.add_argument("--gpu-layers", type=nonnegative_int, default=None, metavar="N",
                    help="with cuda: only the first N blocks on the GPU (default: all)")
+    s.add_argument("--no-prompt-cache", action="store_true",
+                   help="do not reuse prefixes already computed, nor keep long system prompts under $EDGEKV_HOME/prompt-cache")
+    s.add_argument("--prompt-cache-size", type=byte_size, default=2**30, metavar="BYTES",
+                   help="most bytes the prompt cache on disk keeps, least recently used out first (K, M, G suffixes; 0 = none on disk)")
 
 
 def _add_sampling_args(s, temp: float, why: str) -> None:

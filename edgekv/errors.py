@@ -30,6 +30,10 @@ class SessionFileError(EdgekvError):
     """A saved session file is corrupt, truncated, from another model or another version."""
 
 
+class PromptCacheError(EdgekvError):
+    """A prompt-cache file is corrupt, truncated or from another model (it is ignored, with a warning)."""
+
+
 class ContextError(EdgekvError):
     """A request does not fit the context (or cannot be served by the cache)."""
 

@@ -33,6 +33,8 @@ class Stats:
 
     prompt_tokens: int = 0  # tokens of this call's input
     prefill_tokens: int = 0  # of those, the ones actually computed (the rest were cached)
+    cached_tokens: int = 0  # of those, the ones taken from a cache instead of computed
+    cached_from: str = ""  # where from: "sequence" (the chat's own cache), "memory" or "disk" (the prompt cache)
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -61,6 +63,7 @@ class Stats:
     def as_dict(self) -> dict:
         """The figures as a JSON-ready dict (what `edgekv run --json` prints)."""
         return dict(prompt_tokens=self.prompt_tokens, prefill_tokens=self.prefill_tokens,
+                    cached_tokens=self.cached_tokens, cached_from=self.cached_from,
                     generated_tokens=self.generated_tokens, prefill_s=round(self.prefill_s, 4),
                     decode_s=round(self.decode_s, 4), prefill_tokens_per_s=round(self.prefill_tps, 2),
                     decode_tokens_per_s=round(self.decode_tps, 2), kv_tokens=self.kv_tokens,
@@ -194,17 +197,35 @@ class StopMatcher:
 
 def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_tokens: int,
              stop: Seq[str] = (), cancel: threading.Event | None = None, stats: Stats | None = None,
-             ) -> Iterator[Event]:
-    """Prefill prompt_ids (reusing whatever prefix seq already holds), then sample up to
-    max_tokens, yielding an Event per token; the last event carries finish_reason."""
+             keep: int = 0, remember: bool = False) -> Iterator[Event]:
+    """Prefill prompt_ids (reusing whatever prefix seq already holds, or the longest one in
+    llm.prompt_cache), then sample up to max_tokens, yielding an Event per token; the last
+    event carries finish_reason. keep: prefill prompt_ids[:keep] as a batch of its own and keep
+    it in the prompt cache, on disk too, and take nothing else from there (a chat's system
+    prompt: a cached one then gives exactly what a cold run gives, edgekv.prompt_cache);
+    remember: keep the cache after the prompt (with its logits: the same prompt again needs no
+    prefill) and as the call leaves it, in the prompt cache's memory."""
     if not prompt_ids:
         raise EdgekvError("empty prompt: nothing to continue from")
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()
+    pc = getattr(llm, "prompt_cache", None)
     cached = seq.reuse(prompt_ids)
+    stats.cached_from = "sequence" if cached else ""
+    logits = None
+    if pc is not None:
+        cached, source, logits = pc.restore(seq, prompt_ids, cached, exact=keep)
+        stats.cached_from = source or stats.cached_from
+    stats.cached_tokens = cached
     try:
-        logits = seq.feed(prompt_ids[cached:], cancel)
+        if cached < keep < len(prompt_ids):  # the cold run and every later one split the prefill here
+            if seq.feed(prompt_ids[cached:keep], cancel) is not None and pc is not None:
+                pc.remember(seq, disk=True)
+        if logits is None:
+            logits = seq.feed(prompt_ids[len(seq.tokens):], cancel)
+            if remember and logits is not None and pc is not None:
+                pc.remember(seq, logits=logits)
     finally:
         stats.prefill_tokens = len(seq.tokens) - cached
         stats.prefill_s = time.perf_counter() - t0
@@ -237,6 +258,8 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
     finally:
         stats.decode_s = time.perf_counter() - t0
         stats.measure_kv(seq.cache)
+    if remember and pc is not None:
+        pc.remember(seq)
     tail = ""
     if not hit:  # release what was held back: an incomplete stop string, trailing bytes
         tail, hit = stopper.push(detok.flush())

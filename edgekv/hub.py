@@ -96,10 +96,14 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def edgekv_home() -> Path:
+    """$EDGEKV_HOME (default ~/.cache/edgekv); read from the environment on every call."""
+    return Path(os.environ.get("EDGEKV_HOME") or "~/.cache/edgekv").expanduser()
+
+
 def models_dir() -> Path:
     """The cache directory ($EDGEKV_HOME/models); read from the environment on every call."""
-    home = os.environ.get("EDGEKV_HOME") or "~/.cache/edgekv"
-    return Path(home).expanduser() / "models"
+    return edgekv_home() / "models"
 
 
 def _lookup(name: str) -> tuple[str, ModelSpec] | None:

@@ -34,7 +34,8 @@ class LLM:
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "int8", threads: int | None = None,
-                 device: str = "cpu", n_sink: int = 4, gpu_layers: int | None = None):
+                 device: str = "cpu", n_sink: int = 4, gpu_layers: int | None = None, prompt_cache: bool = True,
+                 prompt_cache_size: int | None = None, prompt_cache_memory: int | None = None):
         from .chat_template import ChatTemplate
         from .models import build_model, model_module
         from .tokenizer import Tokenizer
@@ -58,6 +59,8 @@ class LLM:
         # What a saved session must match: the file's header (metadata + tensor table) and size.
         header = hashlib.sha256(memoryview(self.file._mmap)[: self.file.data_offset]).hexdigest()
         self.identity = dict(name=self.path.name, size=self.file.size, header_sha256=header)
+        # prefixes already computed, in memory and (chat system prompts) on disk: edgekv.prompt_cache
+        self.prompt_cache = _prompt_cache(self, prompt_cache_size, prompt_cache_memory) if prompt_cache else None
 
     # -- caches ---------------------------------------------------------------------------
     def new_cache(self, kind: str | None = None, *, n_sink: int | None = None) -> KVCache:
@@ -108,7 +111,7 @@ class LLM:
         return params
 
     def generate(self, prompt: str | bytes | list[int], *, max_tokens: int = 256, stop: list[str] | tuple = (),
-                 cancel=None, add_bos: bool | None = None, stats=None, **sampling) -> Iterator[Event]:
+                 cancel=None, add_bos: bool | None = None, stats=None, keep: int = 0, **sampling) -> Iterator[Event]:
         """Stream a continuation of `prompt` (text, or token ids) as Events; the last event has
         `finish_reason` ("stop", "length" or "cancelled"). Sampling keywords: temperature,
         top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
@@ -123,7 +126,11 @@ class LLM:
         same happens when generation runs past n_ctx. Generation ends only at EOS, a stop
         string, `max_tokens` ("length") or `cancel`. `cancel` (a threading.Event) is checked
         before every token and between prefill chunks of 512 tokens.
-        `stats`: a generate.Stats to fill (default: a new one); it also becomes `llm.stats`."""
+        `stats`: a generate.Stats to fill (default: a new one); it also becomes `llm.stats`.
+        Prompt cache (on unless `prompt_cache=False`): a prompt that starts with tokens a call
+        of this process computed loads them (`stats.cached_tokens`); `keep`: prefill the first
+        `keep` ids as a batch of their own and keep them on disk too (what `chat` does with a
+        long system prompt; see edgekv.prompt_cache)."""
         from .generate import Sequence, Stats, generate
         from .sampling import Sampler
 
@@ -141,9 +148,11 @@ class LLM:
             raise EdgekvError("empty prompt: nothing to continue from")
         if max_tokens < 0:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not 0 <= keep < len(ids):
+            raise EdgekvError(f"keep must be in [0, {len(ids)}) for this prompt, got {keep}")
         self.stats = stats = stats if stats is not None else Stats()
         yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
-                            stop=stop, cancel=cancel, stats=stats)
+                            stop=stop, cancel=cancel, stats=stats, keep=keep, remember=not keep)
 
     def chat_ids(self, rendered: str) -> list[int]:
         """Token ids of a rendered chat prompt: special tokens parsed, and BOS added only when
@@ -160,13 +169,16 @@ class LLM:
         import time as _time
         import uuid
 
+        from .prompt_cache import system_prefix
+
         ids = self.chat_ids(self.template.render(messages, add_generation_prompt=True, tools=tools,
                                                  **(template_vars or {})))
+        keep = system_prefix(self, messages, ids, tools=tools, template_vars=template_vars)
         head = dict(id="chatcmpl-" + uuid.uuid4().hex[:24], created=int(_time.time()), model=self.path.name)
         from .generate import Stats
 
         st = Stats()  # ours: llm.stats may be another thread's call by the time we read it
-        events = self.generate(ids, max_tokens=max_tokens, stats=st, **kw)
+        events = self.generate(ids, max_tokens=max_tokens, stats=st, keep=keep, **kw)
         if stream:
             def chunks():
                 yield dict(head, object="chat.completion.chunk",
@@ -183,7 +195,8 @@ class LLM:
         return dict(head, object="chat.completion",
                     choices=[dict(index=0, message={"role": "assistant", "content": "".join(parts)}, finish_reason=reason)],
                     usage=dict(prompt_tokens=st.prompt_tokens, completion_tokens=st.generated_tokens,
-                               total_tokens=st.prompt_tokens + st.generated_tokens))
+                               total_tokens=st.prompt_tokens + st.generated_tokens,
+                               prompt_tokens_details=dict(cached_tokens=st.cached_tokens)))
 
     def session(self, system: str | None = None, **kw) -> "ChatSession":
         """A chat that keeps its KV cache between turns (see edgekv.ChatSession)."""
@@ -194,6 +207,16 @@ class LLM:
     def complete(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, **kw) -> str:
         """The whole continuation of `prompt` as one string (greedy by default)."""
         return "".join(e.text for e in self.generate(prompt, max_tokens=max_tokens, temperature=temperature, **kw))
+
+
+def _prompt_cache(llm: LLM, disk_bytes: int | None, memory_bytes: int | None):
+    from .prompt_cache import DEFAULT_DISK, DEFAULT_MEMORY, PromptCache
+
+    for what, v in (("prompt_cache_size", disk_bytes), ("prompt_cache_memory", memory_bytes)):
+        if v is not None and (not isinstance(v, int) or v < 0):
+            raise EdgekvError(f"{what} must be a number of bytes >= 0, got {v!r}")
+    return PromptCache(llm, disk_bytes=DEFAULT_DISK if disk_bytes is None else disk_bytes,
+                       memory_bytes=DEFAULT_MEMORY if memory_bytes is None else memory_bytes)
 
 
 def check_context(llm: LLM, cfg) -> None:
@@ -274,10 +297,15 @@ def _size(n: int) -> str:
 
 
 def load(model: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "int8", threads: int | None = None,
-         device: str = "cpu", progress: bool = True, gpu_layers: int | None = None) -> LLM:
+         device: str = "cpu", progress: bool = True, gpu_layers: int | None = None, prompt_cache: bool = True,
+         prompt_cache_size: int | None = None, prompt_cache_memory: int | None = None) -> LLM:
     """Load a known model name (pulled on first use) or a .gguf path. device: "cpu", "cuda" or
-    "auto" (cuda when a GPU is usable); gpu_layers: with cuda, only the first N blocks on the GPU."""
+    "auto" (cuda when a GPU is usable); gpu_layers: with cuda, only the first N blocks on the GPU.
+    prompt_cache: reuse prefixes already computed (in memory, at most prompt_cache_memory bytes,
+    default 256 MiB) and keep long chat system prompts under $EDGEKV_HOME/prompt-cache (at most
+    prompt_cache_size bytes, default 1 GiB); False: neither."""
     from .hub import resolve
 
     return LLM(resolve(model, progress=progress), n_ctx=n_ctx, kv=kv, threads=threads, device=device,
-               gpu_layers=gpu_layers)
+               gpu_layers=gpu_layers, prompt_cache=prompt_cache, prompt_cache_size=prompt_cache_size,
+               prompt_cache_memory=prompt_cache_memory)

@@ -3,20 +3,15 @@ prefills only the tokens the cache does not already hold."""
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
 import os
-import re
-import struct
-import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
 from .errors import EdgekvError, SessionFileError
 from .generate import Event, Sequence, Stats, generate
+from .kvfile import cache_arrays, load_cache, read_file, write_file
+from .prompt_cache import system_prefix
 from .sampling import Sampler, SamplingParams
 
 
@@ -79,6 +74,7 @@ class ChatSession:
             try:
                 ids = self._prompt_ids()
                 rendered = self._render()
+                keep = system_prefix(self.llm, self.messages(), ids, template_vars=self.template_vars)
             except BaseException:  # Ctrl-C too: a user turn without a reply would break alternation
                 self.history.pop()
                 raise
@@ -88,7 +84,7 @@ class ChatSession:
             finished = False
             try:
                 for e in generate(self.llm, self.seq, ids, self.sampler, max_tokens=max_tokens, stop=stop,
-                                  cancel=cancel, stats=self.stats):
+                                  cancel=cancel, stats=self.stats, keep=keep):
                     reply.append(e.text)
                     yield e
                 finished = True
@@ -156,33 +152,12 @@ class ChatSession:
             sync = getattr(self.llm.backend, "sync_to_host", None)  # a GPU backend holds the rings
             if sync is not None:
                 sync(self.seq.cache)
-            arrays, header["layers"] = {}, []
-            for i, lk in enumerate(self.seq.cache.layers):
-                meta, state = lk.state()
-                header["layers"].append(meta)
-                arrays.update({f"{name}{i}": a for name, a in state.items()})  # "k0", "pos12": name, then layer
-            body = io.BytesIO()
-            np.savez(body, **arrays)
-            blob = json.dumps(header).encode()
+            header["layers"], arrays = cache_arrays(self.seq.cache)
             path = Path(path)
-            tmp = None
             try:
-                fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(SESSION_MAGIC + struct.pack("<Q", len(blob)) + blob)
-                    f.write(body.getbuffer())
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException as e:  # a full disk, or Ctrl-C mid-write: no stray temp file
-                if tmp is not None:
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
-                if isinstance(e, OSError):
-                    raise SessionFileError(f"cannot save session to {path}: {e.strerror or e}") from None
-                raise
+                write_file(path, SESSION_MAGIC, header, arrays)
+            except OSError as e:  # a full disk: the old file stays, no stray temp file
+                raise SessionFileError(f"cannot save session to {path}: {e.strerror or e}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike, llm) -> "ChatSession":
@@ -192,18 +167,8 @@ class ChatSession:
             data = path.read_bytes()
         except OSError as e:
             raise SessionFileError(f"cannot read session {path}: {e.strerror or e}") from None
-        if not data.startswith(SESSION_MAGIC) or len(data) < len(SESSION_MAGIC) + 8:
-            raise SessionFileError(f"{path.name} is not an edgekv session file")
-        n = struct.unpack_from("<Q", data, len(SESSION_MAGIC))[0]
-        start = len(SESSION_MAGIC) + 8
-        if start + n > len(data):
-            raise SessionFileError(f"{path.name} is truncated")
-        try:
-            h = json.loads(data[start:start + n])
-            arrays = np.load(io.BytesIO(data[start + n:]), allow_pickle=False)
-        except Exception as e:
-            raise SessionFileError(f"{path.name} is corrupt ({type(e).__name__})") from None
-        if not isinstance(h, dict) or h.get("format") != SESSION_FORMAT:
+        h, arrays, _ = read_file(data, SESSION_MAGIC, path.name, "session", SessionFileError)
+        if h.get("format") != SESSION_FORMAT:
             raise SessionFileError(f"{path.name} is not an edgekv session file")
         version = h.get("version")
         if version not in SESSION_READS:
@@ -226,19 +191,7 @@ class ChatSession:
             tokens = [int(t) for t in h["tokens"]]
             if any(t < 0 or t >= llm.cfg.n_vocab for t in tokens):
                 raise ValueError("token out of range")
-            layers = sess.seq.cache.layers
-            if len(h["layers"]) != len(layers):
-                raise ValueError("layer count")
-            per_layer = [{} for _ in layers]
-            for key in arrays.files:
-                m = _ARRAY_KEY.fullmatch(key)
-                if m is not None and int(m[2]) < len(layers):
-                    per_layer[int(m[2])][m[1]] = arrays[key]
-            for i, (lk, meta, got) in enumerate(zip(layers, h["layers"], per_layer)):
-                try:
-                    lk.load_state(meta, got, len(tokens), every_slot=version == 2)  # 2: every slot, filled or not
-                except ValueError as e:
-                    raise ValueError(f"layer {i}: {e}") from None
+            load_cache(sess.seq.cache, h["layers"], arrays, len(tokens), every_slot=version == 2)  # 2: every slot
             sess.seq.tokens = tokens
             cached = h.get("cached_text")
             sess._cached_text = cached if isinstance(cached, str) else None
@@ -249,7 +202,6 @@ class ChatSession:
         return sess
 
 
-_ARRAY_KEY = re.compile(r"([a-z_]+)(\d+)")  # a cache array's name in the file: its name, then its layer
 SESSION_MAGIC = b"EDGEKVS\x00"
 SESSION_FORMAT = "edgekv-session"
 # 2: int scales, exact recent slots, key offset and channel weights saved too

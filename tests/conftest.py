@@ -94,3 +94,16 @@ def get_llm(key: str = "smollm2", n_ctx: int = 512, kv: str = "f16"):
     from edgekv import LLM
 
     return LLM(model_path(key), n_ctx=n_ctx, kv=kv)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _prompt_cache_in_a_temporary_folder(tmp_path_factory):
+    """No test writes into the user's prompt cache ($EDGEKV_HOME/prompt-cache): every LLM's disk
+    entries go to a temporary folder (a test that wants its own sets llm.prompt_cache's)."""
+    import edgekv.prompt_cache as pc
+
+    d = tmp_path_factory.mktemp("prompt-cache")
+    before = pc.default_dir
+    pc.default_dir = lambda: d
+    yield d
+    pc.default_dir = before

@@ -168,6 +168,7 @@ def test_cancel_before_start_and_during_prefill_leaves_the_session_usable():
     events = list(llm.generate(PROMPT, max_tokens=8, cancel=stop))
     assert [e.finish_reason for e in events] == ["cancelled"] and llm.stats.generated_tokens == 0
 
+    llm.prompt_cache.clear()  # the chunks counted below start at token 0, not after another test's prefix
     s = llm.session(temperature=0, max_tokens=4)
     long_msg = "Summarize: " + " ".join(f"fact {i} is {i * 3}." for i in range(200))
     assert len(llm.tokenize(long_msg)) > 1100  # three prefill chunks of 512
@@ -197,6 +198,7 @@ def test_cancel_before_start_and_during_prefill_leaves_the_session_usable():
 @pytest.mark.parametrize("kv", ["f16", "int8"])
 def test_stats_report_speed_and_kv_use(kv):
     llm = get_llm("smollm2", n_ctx=128, kv=kv)
+    llm.prompt_cache.clear()  # a cold call: another test may have left PROMPT in the prompt cache
     ban = {t: float("-inf") for t in llm.tokenizer.eot_ids}
     list(llm.generate(PROMPT, max_tokens=10, temperature=0, logit_bias=ban))
     st, n_prompt = llm.stats, len(llm.tokenize(PROMPT))
