@@ -182,10 +182,15 @@ class PromptCache:
             sync = getattr(self.llm.backend, "sync_to_host", None)  # a GPU backend holds the rings
             if sync is not None:
                 sync(seq.cache)
-            metas, arrays = cache_arrays(seq.cache)
-            entry = Entry(tokens, [dict(m) for m in metas], {k: np.array(a) for k, a in arrays.items()},
+            metas, arrays = cache_arrays(seq.cache)  # views of the live cache
+            kept = sum(a.nbytes for a in arrays.values()) <= self.memory_bytes
+            if not kept and not (disk and self.disk_bytes > 0):
+                return  # too big to keep: no copy (a 7B cache of a few thousand tokens is hundreds of MiB)
+            entry = Entry(tokens, [dict(m) for m in metas],
+                          {k: np.array(a) if kept else a for k, a in arrays.items()},  # views only go to disk, now
                           None if logits is None else np.array(logits))
-            self._keep(entry)
+            if kept:
+                self._keep(entry)
         if disk and self.disk_bytes > 0:
             self._write(entry)
 
