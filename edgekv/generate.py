@@ -90,7 +90,7 @@ class Sequence:
         return logits
 
     def _run(self, ids: Seq[int]) -> np.ndarray:
-        return run([self], [ids])[0]
+        return submit(self.llm, [self], [ids])[0]
 
     def _parts(self, ids: Seq[int]) -> Iterator[Seq[int]]:
         """ids in prefill chunks. A batch that wraps a ring attends over (ring, batch) and only
@@ -147,6 +147,85 @@ def run(seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
         for s, p in zip(seqs, parts):
             s.tokens.extend(int(i) for i in p)
     return logits
+
+
+class Batcher:
+    """Continuous batching of one LLM's forward passes across threads: each thread submits its
+    sequences' next ids (a decode token or a prefill chunk) and waits; the first to find no pass
+    running leads: it gathers what is pending (waiting up to `gather_s` until every thread
+    with a sequence still generating has submitted), runs it all as one `run` (the decode
+    tokens as one batched step, each prefill chunk alone, so a long prompt delays the others by
+    a chunk, never by all of it) and hands each thread its logits. A sequence joins when it
+    first submits and drops out when its generate ends (`leave`). Each sequence's logits are
+    those of its run alone (LLM.forward_batch), whatever else shares the pass."""
+
+    def __init__(self, gather_s: float = 0.002):
+        self.gather_s = gather_s
+        self._cv = threading.Condition()
+        self._pending: dict[Sequence, Seq[int]] = {}  # insertion order: arrival order
+        self._done: dict[Sequence, object] = {}  # logits, or the exception the pass raised
+        self._owner: dict[Sequence, int] = {}  # the sequences generating now -> their thread
+        self._running = False
+
+    def submit(self, seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
+        """run(seqs, parts), batched with what other threads submit meanwhile."""
+        me = threading.get_ident()
+        with self._cv:
+            if any(s in self._pending or s in self._done for s in seqs):
+                raise EdgekvError("a sequence is fed from two threads at once (one session or generate per thread)")
+            self._pending.update(zip(seqs, parts))
+            self._owner.update((s, me) for s in seqs)
+            self._cv.notify_all()
+            try:
+                while not all(s in self._done for s in seqs):
+                    if self._running:
+                        self._cv.wait()
+                    else:
+                        self._lead()
+            except BaseException:  # Ctrl-C while leading or waiting: this thread's entries go
+                for s in seqs:
+                    self._pending.pop(s, None)
+                    self._done.pop(s, None)
+                raise
+            outs = [self._done.pop(s) for s in seqs]
+        for out in outs:
+            if isinstance(out, BaseException):
+                raise out
+        return outs
+
+    def _gathered(self) -> bool:
+        return set(self._owner.values()) <= {self._owner[s] for s in self._pending}
+
+    def _lead(self) -> None:
+        """Run one pass of what is pending; called and returns with the lock held."""
+        self._running = True
+        try:
+            deadline = time.monotonic() + self.gather_s
+            while not self._gathered() and deadline > time.monotonic():
+                self._cv.wait(deadline - time.monotonic())
+            batch, self._pending = self._pending, {}
+            self._cv.release()
+            try:
+                # Ctrl-C in the leading (main) thread waits until every thread has its logits
+                with _DeferSigint():
+                    try:
+                        outs = run(list(batch), list(batch.values()))
+                    except Exception as e:  # every sequence of the pass was rolled back: each thread raises it
+                        outs = [e] * len(batch)
+                    with self._cv:
+                        self._done.update(zip(batch, outs))
+            finally:
+                self._cv.acquire()
+        finally:
+            self._running = False
+            self._cv.notify_all()
+
+    def leave(self, seqs: list[Sequence]) -> None:
+        """These sequences will not submit again soon (their generate ended): a pass does not wait for them."""
+        with self._cv:
+            for s in seqs:
+                self._owner.pop(s, None)
+            self._cv.notify_all()
 
 
 class _DeferSigint:
@@ -268,25 +347,41 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
     """Prefill prompt_ids (reusing whatever prefix seq already holds), then sample up to
     max_tokens, yielding an Event per token; the last event carries finish_reason."""
     stats = stats if stats is not None else Stats()
-    logits = prefill(seq, prompt_ids, cancel, stats)
-    if logits is None:  # cancelled between prefill chunks
-        yield Event("", None, "cancelled")
-        return
-    t0 = time.perf_counter()
-    turn = Turn(llm, seq, sampler, max_tokens, stop, cancel, stats)
     try:
-        while True:
-            event, tok = turn.pick(logits)
-            if tok is None:
-                if event is not None:
-                    yield event
-                break
-            logits = seq.feed([tok])
-            yield event
+        logits = prefill(seq, prompt_ids, cancel, stats)
+        if logits is None:  # cancelled between prefill chunks
+            yield Event("", None, "cancelled")
+            return
+        t0 = time.perf_counter()
+        turn = Turn(llm, seq, sampler, max_tokens, stop, cancel, stats)
+        try:
+            while True:
+                event, tok = turn.pick(logits)
+                if tok is None:
+                    if event is not None:
+                        yield event
+                    break
+                logits = seq.feed([tok])
+                yield event
+        finally:
+            stats.decode_s = time.perf_counter() - t0
+            stats.measure_kv(seq.cache)
     finally:
-        stats.decode_s = time.perf_counter() - t0
-        stats.measure_kv(seq.cache)
+        leave(llm, [seq])
     yield turn.last()
+
+
+def submit(llm, seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
+    """run(seqs, parts) through the LLM's Batcher (batched with other threads' passes)."""
+    batcher = getattr(llm, "batcher", None)
+    return batcher.submit(seqs, parts) if batcher is not None else run(seqs, parts)
+
+
+def leave(llm, seqs: list[Sequence]) -> None:
+    """These sequences' generation has ended (Batcher.leave)."""
+    batcher = getattr(llm, "batcher", None)
+    if batcher is not None:
+        batcher.leave(seqs)
 
 
 @dataclass
@@ -306,33 +401,35 @@ def generate_many(llm, seqs: list[Sequence], prompts: list[Seq[int]], samplers: 
     next tokens of all unfinished ones run as one batch per step (run -> LLM.forward_batch);
     a sequence drops out when it finishes. Each result equals its prompt's `generate`."""
     stats = stats if stats is not None else [Stats() for _ in prompts]
-    logits = [prefill(s, p, cancel, st) for s, p, st in zip(seqs, prompts, stats)]
-    t0 = time.perf_counter()
-    turns = [Turn(llm, s, sm, max_tokens, stop, cancel, st) for s, sm, st in zip(seqs, samplers, stats)]
-    texts: list[list[str]] = [[] for _ in prompts]
-    tokens: list[list[int]] = [[] for _ in prompts]
-    live = []
-    for j, lg in enumerate(logits):
-        if lg is None:
-            turns[j].reason = "cancelled"
-        else:
-            live.append(j)
-    while live:
-        feed = []
-        for j in live:
-            event, tok = turns[j].pick(logits[j])
-            if event is not None:
-                texts[j].append(event.text)
-                tokens[j].append(event.token)
-            if tok is None:
-                stats[j].decode_s = time.perf_counter() - t0
-            else:
-                feed.append((j, tok))
-        if feed:
-            out = run([seqs[j] for j, _ in feed], [[tok] for _, tok in feed])
-            for (j, _), lg in zip(feed, out):
-                logits[j] = lg
-        live = [j for j, _ in feed]
+    try:
+        logits = [prefill(s, p, cancel, st) for s, p, st in zip(seqs, prompts, stats)]
+        t0 = time.perf_counter()
+        turns = [Turn(llm, s, sm, max_tokens, stop, cancel, st) for s, sm, st in zip(seqs, samplers, stats)]
+        texts: list[list[str]] = [[] for _ in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        for j, lg in enumerate(logits):
+            if lg is None:
+                turns[j].reason = "cancelled"
+        live = [j for j, lg in enumerate(logits) if lg is not None]
+        while live:
+            feed = []
+            for j in live:
+                event, tok = turns[j].pick(logits[j])
+                if event is not None:
+                    texts[j].append(event.text)
+                    tokens[j].append(event.token)
+                if tok is None:
+                    stats[j].decode_s = time.perf_counter() - t0
+                    leave(llm, [seqs[j]])
+                else:
+                    feed.append((j, tok))
+            if feed:
+                out = submit(llm, [seqs[j] for j, _ in feed], [[tok] for _, tok in feed])
+                for (j, _), lg in zip(feed, out):
+                    logits[j] = lg
+            live = [j for j, _ in feed]
+    finally:
+        leave(llm, seqs)
     results = []
     for j, turn in enumerate(turns):
         stats[j].measure_kv(seqs[j].cache)

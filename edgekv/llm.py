@@ -14,7 +14,7 @@ import numpy as np
 
 from .backends import get_backend
 from .errors import ContextError, EdgekvError
-from .generate import UBATCH, Event
+from .generate import UBATCH, Batcher, Event
 from .gguf_file import GGUFFile
 from .kvcache import KV_KINDS, BatchCache, KVCache, cache_bytes, capacities
 
@@ -28,7 +28,8 @@ class LLM:
     serves several threads at once, each generating through its own cache: one
     `llm.session()` per thread, or `generate`/`complete`/`chat` calls (each call has its own
     cache and sampler). A ChatSession is for one thread at a time (its turns take a lock).
-    Outputs do not depend on what other threads run: same seed, same text. `llm.stats` is
+    Outputs do not depend on what other threads run: same seed, same text. Threads generating
+    at once have their forward passes batched (`self.batcher`, generate.Batcher). `llm.stats` is
     the last call started by any thread; use `session.stats`, or pass `stats=` to generate,
     to read one thread's figures. Cancel from any thread with a threading.Event (`cancel=`).
     """
@@ -55,6 +56,7 @@ class LLM:
         self.template = ChatTemplate.from_metadata(self.file.meta, self.file.meta.get("tokenizer.ggml.tokens", []),
                                                    tok.bos_id, tok.eos_id)
         self.stats = None  # generate.Stats of the last call
+        self.batcher = Batcher()  # forward passes of threads generating at once run as one batch
         # What a saved session must match: the file's header (metadata + tensor table) and size.
         header = hashlib.sha256(memoryview(self.file._mmap)[: self.file.data_offset]).hexdigest()
         self.identity = dict(name=self.path.name, size=self.file.size, header_sha256=header)

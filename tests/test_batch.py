@@ -9,6 +9,7 @@ import pytest
 from conftest import model_path
 from edgekv import LLM, EdgekvError
 from edgekv.generate import Completion
+from edgekv.kvcache import BatchCache
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1 2 3 4 5 6 7 8 9 10 11 12 13", "Hi"]
 
@@ -145,3 +146,53 @@ def test_generate_many_arguments():
         llm.generate_many([[1, 2], [1, 3], [1, 4]], seed=[1, 2])
     with pytest.raises(EdgekvError, match="empty prompt"):
         llm.generate_many([[1, 2], []])
+
+
+@pytest.mark.parametrize("model", ["smollm2", "llama"])
+def test_threads_on_one_llm_are_batched_and_each_gets_its_solo_text(model, monkeypatch):
+    import threading
+
+    llm = llm_for(model, "cpu", "int8", 48)
+    kws = [dict(temperature=0.0), dict(temperature=0.8, seed=5), dict(temperature=0.0, stop=["."]),
+           dict(temperature=1.0, top_p=0.9, seed=11)]
+    want = [solo(llm, p, max_tokens=24 + 4 * j, **kw) for j, (p, kw) in enumerate(zip(PROMPTS, kws))]
+    rows, inner = [], llm.model.forward
+
+    def forward(ids, pos, cache, last_only=True):
+        rows.append(len(ids) if isinstance(cache, BatchCache) else 1)  # sequences in the pass
+        return inner(ids, pos, cache, last_only=last_only)
+
+    monkeypatch.setattr(llm.model, "forward", forward)
+    got, start = [None] * len(PROMPTS), threading.Barrier(len(PROMPTS))
+
+    def work(j):
+        start.wait()
+        got[j] = solo(llm, PROMPTS[j], max_tokens=24 + 4 * j, **kws[j])
+
+    threads = [threading.Thread(target=work, args=(j,)) for j in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == want
+    assert max(rows) >= 3  # passes held several threads' sequences
+
+
+def test_a_session_in_one_thread_and_generate_in_another():
+    import threading
+
+    llm = llm_for("llama", "cpu", "int8", 64)
+    chat_alone = llm.session(temperature=0.7, seed=2, max_tokens=12)
+    want_chat = [chat_alone.send(m) for m in ("hello there", "and more")]
+    want_gen = solo(llm, PROMPTS[0], max_tokens=40, temperature=0.0)
+    got = {}
+
+    def chat():
+        s = llm.session(temperature=0.7, seed=2, max_tokens=12)
+        got["chat"] = [s.send(m) for m in ("hello there", "and more")]
+
+    t = threading.Thread(target=chat)
+    t.start()
+    got["gen"] = solo(llm, PROMPTS[0], max_tokens=40, temperature=0.0)
+    t.join(timeout=300)
+    assert got == {"chat": want_chat, "gen": want_gen}
