@@ -194,7 +194,7 @@ class Batcher:
         return outs
 
     def _gathered(self) -> bool:
-        return set(self._owner.values()) <= {self._owner[s] for s in self._pending}
+        return set(self._owner.values()) <= {self._owner.get(s) for s in self._pending}
 
     def _lead(self) -> None:
         """Run one pass of what is pending; called and returns with the lock held."""
@@ -204,10 +204,11 @@ class Batcher:
             while not self._gathered() and deadline > time.monotonic():
                 self._cv.wait(deadline - time.monotonic())
             batch, self._pending = self._pending, {}
+            others = len({self._owner.get(s) for s in batch}) > 1
             self._cv.release()
             try:
-                # Ctrl-C in the leading (main) thread waits until every thread has its logits
-                with _DeferSigint():
+                # Ctrl-C in the leading (main) thread waits until the other threads have their logits
+                with _DeferSigint() if others else _NO_DEFER:
                     try:
                         outs = run(list(batch), list(batch.values()))
                     except Exception as e:  # every sequence of the pass was rolled back: each thread raises it
