@@ -196,3 +196,15 @@ def test_a_session_in_one_thread_and_generate_in_another():
     got["gen"] = solo(llm, PROMPTS[0], max_tokens=40, temperature=0.0)
     t.join(timeout=300)
     assert got == {"chat": want_chat, "gen": want_gen}
+
+
+def test_generate_many_cancelled_like_generate():
+    import threading
+
+    llm = llm_for("llama", "cpu", "int8", 64)
+    stop = threading.Event()
+    stop.set()
+    got = llm.generate_many([[1, 2, 3], [4]], max_tokens=8, cancel=stop)
+    assert [(c.text, c.tokens, c.finish_reason) for c in got] == [
+        solo(llm, [1, 2, 3], max_tokens=8, cancel=stop), solo(llm, [4], max_tokens=8, cancel=stop)]
+    assert {c.finish_reason for c in got} == {"cancelled"}
