@@ -6,6 +6,7 @@ import contextlib
 import signal
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence as Seq
 
@@ -84,28 +85,16 @@ class Sequence:
         Long inputs run in chunks; if `cancel` is set between two chunks, stop there and return
         None (the chunks already run stay cached and accounted for)."""
         if len(ids) == 1:  # decode: no chunking
-            return self._run(ids)[-1]
+            return self._run(ids)
         logits = None
         for part in self._parts(ids):
             if cancel is not None and cancel.is_set():
                 return None
             logits = self._run(part)
-        return logits[-1]
+        return logits
 
     def _run(self, ids: Seq[int]) -> np.ndarray:
-        # A batch that overwrites ring slots cannot be rolled back: Ctrl-C waits until it is done.
-        wraps = any(lk.n_written + len(ids) > lk.capacity for lk in self.cache.layers)
-        with _DeferSigint() if wraps else _NO_DEFER, self._serial:
-            try:
-                logits = self.llm.forward(ids, self.cache, len(self.tokens))
-            except BaseException:
-                # Interrupted (an error) mid-batch: some layers hold this batch, others not.
-                # Roll every layer back to the tokens we account for, so the cache stays coherent.
-                if not self.cache.trim(len(self.tokens)):
-                    self.reset()
-                raise
-            self.tokens.extend(int(i) for i in ids)
-        return logits
+        return submit(self.llm, [self], [ids])[0]
 
     def _parts(self, ids: Seq[int]) -> Iterator[Seq[int]]:
         """ids in prefill chunks. A batch that wraps a ring attends over (ring, batch) and only
@@ -138,6 +127,111 @@ class Sequence:
     def reset(self) -> None:
         self.cache.reset()
         self.tokens = []
+
+
+def run(seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
+    """Append parts[j] to seqs[j] (sequences of one LLM, each at most once) and run them through
+    the model, several as one batch (LLM.forward_batch); the logits (n_vocab,) after each part."""
+    llm = seqs[0].llm
+    # A batch that overwrites ring slots cannot be rolled back: Ctrl-C waits until it is done.
+    wraps = any(lk.n_written + len(p) > lk.capacity for s, p in zip(seqs, parts) for lk in s.cache.layers)
+    with _DeferSigint() if wraps else _NO_DEFER, seqs[0]._serial:
+        try:
+            if len(seqs) == 1:
+                logits = [llm.forward(parts[0], seqs[0].cache, len(seqs[0].tokens))[-1]]
+            else:
+                logits = llm.forward_batch([(p, s.cache, len(s.tokens)) for s, p in zip(seqs, parts)])
+        except BaseException:
+            # Interrupted (an error) mid-batch: some layers hold this batch, others not.
+            # Roll every layer back to the tokens we account for, so each cache stays coherent.
+            for s in seqs:
+                if not s.cache.trim(len(s.tokens)):
+                    s.reset()
+            raise
+        for s, p in zip(seqs, parts):
+            s.tokens.extend(int(i) for i in p)
+    return logits
+
+
+class Batcher:
+    """Continuous batching of one LLM's forward passes across threads: each thread submits its
+    sequences' next ids (a decode token or a prefill chunk) and waits; the first to find no pass
+    running leads: it gathers what is pending (waiting up to `gather_s` until every thread
+    with a sequence still generating has submitted), runs it all as one `run` (the decode
+    tokens as one batched step, each prefill chunk alone, so a long prompt delays the others by
+    a chunk, never by all of it) and hands each thread its logits. A sequence joins when it
+    first submits and drops out when its generate ends (`leave`). Each sequence's logits are
+    those of its run alone (LLM.forward_batch), whatever else shares the pass."""
+
+    def __init__(self, gather_s: float = 0.002):
+        self.gather_s = gather_s
+        self._cv = threading.Condition()
+        self._pending: dict[Sequence, Seq[int]] = {}  # insertion order: arrival order
+        self._done: dict[Sequence, object] = {}  # logits, or the exception the pass raised
+        # the sequences generating now -> their thread; weak: one fed outside generate (never left) goes with it
+        self._owner: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+        self._running = False
+
+    def submit(self, seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
+        """run(seqs, parts), batched with what other threads submit meanwhile."""
+        me = threading.get_ident()
+        with self._cv:
+            if any(s in self._pending or s in self._done for s in seqs):
+                raise EdgekvError("a sequence is fed from two threads at once (one session or generate per thread)")
+            self._pending.update(zip(seqs, parts))
+            self._owner.update((s, me) for s in seqs)
+            self._cv.notify_all()
+            try:
+                while not all(s in self._done for s in seqs):
+                    if self._running:
+                        self._cv.wait()
+                    else:
+                        self._lead()
+            except BaseException:  # Ctrl-C while leading or waiting: this thread's entries go
+                for s in seqs:
+                    self._pending.pop(s, None)
+                    self._done.pop(s, None)
+                raise
+            outs = [self._done.pop(s) for s in seqs]
+        for out in outs:
+            if isinstance(out, BaseException):
+                raise out
+        return outs
+
+    def _gathered(self) -> bool:
+        return set(self._owner.values()) <= {self._owner.get(s) for s in self._pending}
+
+    def _lead(self) -> None:
+        """Run one pass of what is pending; called and returns with the lock held."""
+        self._running = True
+        try:
+            deadline = time.monotonic() + self.gather_s
+            while not self._gathered() and deadline > time.monotonic():
+                self._cv.wait(deadline - time.monotonic())
+            batch, self._pending = self._pending, {}
+            others = len({self._owner.get(s) for s in batch}) > 1
+            self._cv.release()
+            try:
+                # Ctrl-C in the leading (main) thread waits until the other threads have their logits
+                with _DeferSigint() if others else _NO_DEFER:
+                    try:
+                        outs = run(list(batch), list(batch.values()))
+                    except Exception as e:  # every sequence of the pass was rolled back: each thread raises it
+                        outs = [e] * len(batch)
+                    with self._cv:
+                        self._done.update(zip(batch, outs))
+            finally:
+                self._cv.acquire()
+        finally:
+            self._running = False
+            self._cv.notify_all()
+
+    def leave(self, seqs: list[Sequence]) -> None:
+        """These sequences will not submit again soon (their generate ended): a pass does not wait for them."""
+        with self._cv:
+            for s in seqs:
+                self._owner.pop(s, None)
+            self._cv.notify_all()
 
 
 class _DeferSigint:
@@ -195,19 +289,55 @@ class StopMatcher:
         return out
 
 
-def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_tokens: int,
-             stop: Seq[str] = (), cancel: threading.Event | None = None, stats: Stats | None = None,
-             keep: int = 0, remember: bool = False) -> Iterator[Event]:
-    """Prefill prompt_ids (reusing whatever prefix seq already holds, or the longest one in
-    llm.prompt_cache), then sample up to max_tokens, yielding an Event per token; the last
-    event carries finish_reason. keep: prefill prompt_ids[:keep] as a batch of its own and keep
-    it in the prompt cache, on disk too, and take nothing else from there (a chat's system
-    prompt: a cached one then gives exactly what a cold run gives, edgekv.prompt_cache);
-    remember: keep the cache after the prompt (with its logits: the same prompt again needs no
-    prefill) and as the call leaves it, in the prompt cache's memory."""
+class Turn:
+    """One sequence's decoding, a token at a time: `pick` samples from the logits and says what
+    to yield and what to feed next, `last` is the final event. `generate` drives one turn;
+    `generate_many` drives several and feeds their tokens as one batch."""
+
+    def __init__(self, llm, seq: Sequence, sampler: Sampler, max_tokens: int, stop: Seq[str],
+                 cancel: threading.Event | None, stats: Stats):
+        self.seq, self.sampler, self.left, self.cancel, self.stats = seq, sampler, max_tokens, cancel, stats
+        self.detok = llm.tokenizer.stream()
+        self.stopper = StopMatcher(stop)
+        self.eog = llm.tokenizer.eot_ids
+        self.reason, self.hit = "length", False
+
+    def pick(self, logits: np.ndarray) -> tuple[Event | None, int | None]:
+        """(event to yield or None, token to feed next or None: the turn has ended, `reason` says why)."""
+        if self.left <= 0:
+            return None, None
+        if self.cancel is not None and self.cancel.is_set():
+            self.reason = "cancelled"
+            return None, None
+        tok = self.sampler(logits, self.seq.tokens)
+        if tok in self.eog:
+            self.reason = "stop"
+            return None, None
+        text, self.hit = self.stopper.push(self.detok.push(tok))
+        self.stats.generated_tokens += 1
+        self.left -= 1
+        if self.hit:
+            self.reason = "stop"
+            return Event(text, tok), None
+        return Event(text, tok), tok
+
+    def last(self) -> Event:
+        """The final event: what was held back (an incomplete stop string, trailing bytes), and why it ended."""
+        tail = ""
+        if not self.hit:
+            tail, self.hit = self.stopper.push(self.detok.flush())
+            if not self.hit:
+                tail += self.stopper.flush()
+        return Event(tail, None, self.reason)
+
+
+def prefill(llm, seq: Sequence, prompt_ids: Seq[int], cancel: threading.Event | None, stats: Stats, *,
+            keep: int = 0, remember: bool = False) -> np.ndarray | None:
+    """Feed prompt_ids (reusing whatever prefix seq already holds, or the longest one in
+    llm.prompt_cache) and record it in stats; the logits after the last id, or None if
+    cancelled between chunks. keep, remember: as `generate`'s."""
     if not prompt_ids:
         raise EdgekvError("empty prompt: nothing to continue from")
-    stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()
     pc = getattr(llm, "prompt_cache", None)
@@ -226,43 +356,112 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
             logits = seq.feed(prompt_ids[len(seq.tokens):], cancel)
             if remember and logits is not None and pc is not None:
                 pc.remember(seq, logits=logits)
+        return logits
     finally:
         stats.prefill_tokens = len(seq.tokens) - cached
         stats.prefill_s = time.perf_counter() - t0
         stats.measure_kv(seq.cache)
-    if logits is None:  # cancelled between prefill chunks
-        yield Event("", None, "cancelled")
-        return
-    t0 = time.perf_counter()
-    detok = llm.tokenizer.stream()
-    stopper = StopMatcher(stop)
-    eog = llm.tokenizer.eot_ids
-    reason, hit = "length", False
+
+
+def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_tokens: int,
+             stop: Seq[str] = (), cancel: threading.Event | None = None, stats: Stats | None = None,
+             keep: int = 0, remember: bool = False) -> Iterator[Event]:
+    """Prefill prompt_ids (reusing whatever prefix seq already holds, or the longest one in
+    llm.prompt_cache), then sample up to max_tokens, yielding an Event per token; the last
+    event carries finish_reason. keep: prefill prompt_ids[:keep] as a batch of its own and keep
+    it in the prompt cache, on disk too, and take nothing else from there (a chat's system
+    prompt: a cached one then gives exactly what a cold run gives, edgekv.prompt_cache);
+    remember: keep the cache after the prompt (with its logits: the same prompt again needs no
+    prefill) and as the call leaves it, in the prompt cache's memory."""
+    stats = stats if stats is not None else Stats()
     try:
-        for _ in range(max_tokens):
-            if cancel is not None and cancel.is_set():
-                reason = "cancelled"
-                break
-            tok = sampler(logits, seq.tokens)
-            if tok in eog:
-                reason = "stop"
-                break
-            text, hit = stopper.push(detok.push(tok))
-            stats.generated_tokens += 1
-            if hit:
-                yield Event(text, tok)
-                reason = "stop"
-                break
-            logits = seq.feed([tok])
-            yield Event(text, tok)
+        logits = prefill(llm, seq, prompt_ids, cancel, stats, keep=keep, remember=remember)
+        if logits is None:  # cancelled between prefill chunks
+            yield Event("", None, "cancelled")
+            return
+        t0 = time.perf_counter()
+        turn = Turn(llm, seq, sampler, max_tokens, stop, cancel, stats)
+        try:
+            while True:
+                event, tok = turn.pick(logits)
+                if tok is None:
+                    if event is not None:
+                        yield event
+                    break
+                logits = seq.feed([tok])
+                yield event
+        finally:
+            stats.decode_s = time.perf_counter() - t0
+            stats.measure_kv(seq.cache)
+        pc = getattr(llm, "prompt_cache", None)
+        if remember and pc is not None:
+            pc.remember(seq)
     finally:
-        stats.decode_s = time.perf_counter() - t0
-        stats.measure_kv(seq.cache)
-    if remember and pc is not None:
-        pc.remember(seq)
-    tail = ""
-    if not hit:  # release what was held back: an incomplete stop string, trailing bytes
-        tail, hit = stopper.push(detok.flush())
-        if not hit:
-            tail += stopper.flush()
-    yield Event(tail, None, reason)
+        leave(llm, [seq])
+    yield turn.last()
+
+
+def submit(llm, seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
+    """run(seqs, parts) through the LLM's Batcher (batched with other threads' passes)."""
+    batcher = getattr(llm, "batcher", None)
+    return batcher.submit(seqs, parts) if batcher is not None else run(seqs, parts)
+
+
+def leave(llm, seqs: list[Sequence]) -> None:
+    """These sequences' generation has ended (Batcher.leave)."""
+    batcher = getattr(llm, "batcher", None)
+    if batcher is not None:
+        batcher.leave(seqs)
+
+
+@dataclass
+class Completion:
+    """One prompt's result in `generate_many`: what its `generate` events add up to."""
+
+    text: str
+    tokens: list[int]  # the generated ids (a stop string's token included, as generate's events)
+    finish_reason: str  # "stop", "length" or "cancelled"
+    stats: Stats
+
+
+def generate_many(llm, seqs: list[Sequence], prompts: list[Seq[int]], samplers: list[Sampler], *, max_tokens: int,
+                  stop: Seq[str] = (), cancel: threading.Event | None = None,
+                  stats: list[Stats] | None = None) -> list[Completion]:
+    """`generate` for several prompts at once: each is prefilled alone (in its chunks), then the
+    next tokens of all unfinished ones run as one batch per step (run -> LLM.forward_batch);
+    a sequence drops out when it finishes. Each result equals its prompt's `generate`."""
+    stats = stats if stats is not None else [Stats() for _ in prompts]
+    try:
+        logits = [prefill(llm, s, p, cancel, st) for s, p, st in zip(seqs, prompts, stats)]
+        t0 = time.perf_counter()
+        turns = [Turn(llm, s, sm, max_tokens, stop, cancel, st) for s, sm, st in zip(seqs, samplers, stats)]
+        texts: list[list[str]] = [[] for _ in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        for j, lg in enumerate(logits):
+            if lg is None:
+                turns[j].reason = "cancelled"
+        live = [j for j, lg in enumerate(logits) if lg is not None]
+        while live:
+            feed = []
+            for j in live:
+                event, tok = turns[j].pick(logits[j])
+                if event is not None:
+                    texts[j].append(event.text)
+                    tokens[j].append(event.token)
+                if tok is None:
+                    stats[j].decode_s = time.perf_counter() - t0
+                    leave(llm, [seqs[j]])
+                else:
+                    feed.append((j, tok))
+            if feed:
+                out = submit(llm, [seqs[j] for j, _ in feed], [[tok] for _, tok in feed])
+                for (j, _), lg in zip(feed, out):
+                    logits[j] = lg
+            live = [j for j, _ in feed]
+    finally:
+        leave(llm, seqs)
+    results = []
+    for j, turn in enumerate(turns):
+        stats[j].measure_kv(seqs[j].cache)
+        results.append(Completion("".join(texts[j]) + turn.last().text, tokens[j], turn.reason, stats[j]))
+    return results

@@ -19,8 +19,10 @@ never derive. The attention step (backends/attention.py) stores the batch where 
 `place`s it (its slots' positions), attends, writes the exact rows, then `commit`s (the write
 cursor). `trim`, `reset` and `state` / `load_state` (sessions) are the other state changes.
 
-What comes next, as additions: several sequences in one batch are one plan per sequence's cache
-(a plan is a tuple of ints: a batched kernel takes them stacked); shared prefixes make the slots a
+Several sequences in one batch (`BatchCache`): their tokens are stacked, so every matmul reads a
+weight once for all of them, and each layer of the batch is the sequences' own LayerKVs with the
+batch rows that belong to each; the attention step runs its one-sequence path per sequence, one
+plan per sequence's cache. What comes next, as additions: shared prefixes make the slots a
 plan names physical ones, blocks of a pool with reference counts, copied on first write before the
 plan is given; another eviction policy is another way to choose the slots of `plan` (the kernels
 mask by position, so holes cost nothing).
@@ -412,3 +414,28 @@ class KVCache:
     @property
     def recent_nbytes(self) -> int:
         return sum(lk.recent_nbytes for lk in self.layers)
+
+
+class BatchLayer(NamedTuple):
+    """One layer of a batch of sequences: sequence j's cache is layers[j] and its tokens are the
+    batch rows starts[j] .. starts[j + 1] - 1 (the attention step splits q, k, v there)."""
+
+    layers: tuple[LayerKV, ...]
+    starts: tuple[int, ...]  # len(layers) + 1 row offsets, from 0 to the batch's rows
+
+    def parts(self):
+        """(layer, first row, end row) per sequence."""
+        return zip(self.layers, self.starts, self.starts[1:])
+
+
+class BatchCache:
+    """Several sequences' caches as one cache for a model's forward pass over their stacked
+    tokens (caches[j] takes counts[j] rows, in order): `[i]` is layer i of every sequence."""
+
+    def __init__(self, caches: list[KVCache], counts: list[int]):
+        starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(counts)]))
+        self.caches = caches
+        self.views = [BatchLayer(tuple(c.layers[i] for c in caches), starts) for i in range(len(caches[0].layers))]
+
+    def __getitem__(self, layer: int) -> BatchLayer:
+        return self.views[layer]

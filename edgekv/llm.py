@@ -14,9 +14,9 @@ import numpy as np
 
 from .backends import get_backend
 from .errors import ContextError, EdgekvError
-from .generate import UBATCH, Event
+from .generate import UBATCH, Batcher, Event
 from .gguf_file import GGUFFile
-from .kvcache import KV_KINDS, KVCache, cache_bytes, capacities
+from .kvcache import KV_KINDS, BatchCache, KVCache, cache_bytes, capacities
 
 _NO_STEP = contextlib.nullcontext()
 
@@ -28,7 +28,8 @@ class LLM:
     serves several threads at once, each generating through its own cache: one
     `llm.session()` per thread, or `generate`/`complete`/`chat` calls (each call has its own
     cache and sampler). A ChatSession is for one thread at a time (its turns take a lock).
-    Outputs do not depend on what other threads run: same seed, same text. `llm.stats` is
+    Outputs do not depend on what other threads run: same seed, same text. Threads generating
+    at once have their forward passes batched (`self.batcher`, generate.Batcher). `llm.stats` is
     the last call started by any thread; use `session.stats`, or pass `stats=` to generate,
     to read one thread's figures. Cancel from any thread with a threading.Event (`cancel=`).
     """
@@ -56,6 +57,7 @@ class LLM:
         self.template = ChatTemplate.from_metadata(self.file.meta, self.file.meta.get("tokenizer.ggml.tokens", []),
                                                    tok.bos_id, tok.eos_id)
         self.stats = None  # generate.Stats of the last call
+        self.batcher = Batcher()  # forward passes of threads generating at once run as one batch
         # What a saved session must match: the file's header (metadata + tensor table) and size.
         header = hashlib.sha256(memoryview(self.file._mmap)[: self.file.data_offset]).hexdigest()
         self.identity = dict(name=self.path.name, size=self.file.size, header_sha256=header)
@@ -68,13 +70,17 @@ class LLM:
         n_ctx tokens per global layer and of the window (at most n_ctx) per sliding-window one."""
         return KVCache.for_model(self.cfg, self.n_ctx, kind or self.kv_type, self.n_sink if n_sink is None else n_sink)
 
-    def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
-        """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""
+    def _ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise EdgekvError("forward needs a non-empty 1-D list of token ids")
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise EdgekvError(f"token id out of range [0, {self.cfg.n_vocab})")
+        return ids
+
+    def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
+        """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""
+        ids = self._ids(ids)
         outs = []
         step = getattr(self.backend, "step", None)  # the CPU backend's thread count for this pass
         for s in range(0, len(ids), UBATCH):
@@ -85,6 +91,36 @@ class LLM:
             if not last_only or s + UBATCH >= len(ids):
                 outs.append(logits)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def forward_batch(self, batch: list[tuple]) -> list[np.ndarray]:
+        """Several sequences, each (ids, cache, start_pos) as in `forward` (a cache at most once):
+        the logits (n_vocab,) after each one's last id, the same bits as `forward` gives it alone.
+        Sequences of one token (decode) run as one pass over their stacked tokens, so each
+        weight is read once for all of them, in groups of at most the backend's `batch_rows`
+        (the rows its small-batch kernel computes exactly as one); longer ones run alone."""
+        batch = [(self._ids(ids), cache, int(start)) for ids, cache, start in batch]
+        if len({id(cache) for _, cache, _ in batch}) != len(batch):
+            raise EdgekvError("forward_batch: each sequence needs a cache of its own (one appears twice)")
+        out: list = [None] * len(batch)
+        one = [j for j, (ids, _, _) in enumerate(batch) if len(ids) == 1]
+        for j, (ids, cache, start) in enumerate(batch):
+            if len(ids) > 1:
+                out[j] = self.forward(ids, cache, start)[-1]
+        rows = max(1, getattr(self.backend, "batch_rows", 1))
+        step = getattr(self.backend, "step", None)
+        for g in range(0, len(one), rows):
+            group = one[g : g + rows]
+            if len(group) == 1:
+                out[group[0]] = self.forward(*batch[group[0]])[-1]
+                continue
+            ids = np.concatenate([batch[j][0] for j in group])
+            pos = np.array([batch[j][2] for j in group], dtype=np.int64)
+            cache = BatchCache([batch[j][1] for j in group], [1] * len(group))
+            with step(len(group)) if step else _NO_STEP:
+                logits = self.model.forward(ids, pos, cache, last_only=False)  # (len(group), n_vocab)
+            for r, j in enumerate(group):
+                out[j] = logits[r]
+        return out
 
     # -- public API -----------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
@@ -135,6 +171,16 @@ class LLM:
         from .sampling import Sampler
 
         params = self.sampling(**sampling)
+        ids = self._prompt_ids(prompt, add_bos)
+        if max_tokens < 0:
+            raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not 0 <= keep < len(ids):
+            raise EdgekvError(f"keep must be in [0, {len(ids)}) for this prompt, got {keep}")
+        self.stats = stats = stats if stats is not None else Stats()
+        yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
+                            stop=stop, cancel=cancel, stats=stats, keep=keep, remember=not keep)
+
+    def _prompt_ids(self, prompt, add_bos: bool | None) -> list[int]:
         if isinstance(prompt, (bytes, bytearray)):  # bytes are text, not token ids
             prompt = bytes(prompt).decode("utf-8", errors="replace")
         if isinstance(prompt, str):
@@ -146,13 +192,32 @@ class LLM:
                 raise EdgekvError("prompt must be text or a list of token ids") from None
         if not ids:
             raise EdgekvError("empty prompt: nothing to continue from")
+        return ids
+
+    def generate_many(self, prompts: list, *, max_tokens: int = 256, stop: list[str] | tuple = (), cancel=None,
+                      add_bos: bool | None = None, **sampling) -> list["Completion"]:
+        """Run several prompts as one batch: each is prefilled alone, then the next tokens of all
+        unfinished ones are decoded in one batched forward pass per step (every weight read once
+        for the batch), a sequence dropping out as it finishes. Returns a generate.Completion per
+        prompt (text, tokens, finish_reason, stats): exactly what `generate` gives that prompt
+        alone, with the same keywords. `seed` may be one int (every prompt's sampler seeded with
+        it, as separate generate calls would be) or a list of one per prompt."""
+        from .generate import Sequence, generate_many
+        from .sampling import Sampler
+
+        prompts = list(prompts)
+        seed = sampling.pop("seed", None)
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise EdgekvError(f"generate_many: {len(seeds)} seeds for {len(prompts)} prompts")
+        samplers = [Sampler(self.sampling(seed=s, **sampling), self.cfg.n_vocab) for s in seeds]
+        ids = [self._prompt_ids(p, add_bos) for p in prompts]
         if max_tokens < 0:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
-        if not 0 <= keep < len(ids):
-            raise EdgekvError(f"keep must be in [0, {len(ids)}) for this prompt, got {keep}")
-        self.stats = stats = stats if stats is not None else Stats()
-        yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
-                            stop=stop, cancel=cancel, stats=stats, keep=keep, remember=not keep)
+        if not ids:
+            return []
+        return generate_many(self, [Sequence(self) for _ in ids], ids, samplers, max_tokens=max_tokens, stop=stop,
+                             cancel=cancel)
 
     def chat_ids(self, rendered: str) -> list[int]:
         """Token ids of a rendered chat prompt: special tokens parsed, and BOS added only when

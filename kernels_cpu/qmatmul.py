@@ -197,20 +197,69 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min)
         for p in range(0, 4 * nbytes, 64):
             prefetch(w, o + _PF + p)
         lo, hi, d, m = quad(w, o)
-        xg = xo + 128 * g
-        i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
-        acc0 = fma(cvt(i, np.float32), vmul(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc0)
-        if has_min:
-            am0 = fma(m, _SPREAD4(ld(xsum, bo + 4 * g, 4)), am0)
+        acc0, am0 = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc0, am0, has_min)
         acc0, acc1 = acc1, acc0  # the next group adds to the other one
         am0, am1 = am1, am0
     mins = f32(0)
     tail = splat(f32(0), 8)
     for b in range(ng * 4, nb):  # the last nb % 4 blocks, in natural order
         q, off, d, m = block(w, ro + nbytes * b)
-        p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
-        tail = fma(p, splat(d * at(xd, bo + b), 8), tail)
-        mins += m * at(xsum, bo + b)
+        tail, mins = _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins)
+    return _total_32(acc0, acc1, am0, am1, tail, mins)
+
+
+@njit(fastmath=True, inline="always")
+def _dot_32x2(w, ro, xq, xo, yo, xd, xsum, xoff, bo, co, nb, block, quad, nbytes, has_min):
+    """_dot_32 for two tokens (activations at xo, bo and at yo, co) from one unpacking of each
+    weight group: each token's sums are _dot_32's, in its order, so each result has its bits."""
+    acc0 = splat(f32(0), 16)
+    acc1 = splat(f32(0), 16)
+    am0 = splat(f32(0), 16)
+    am1 = splat(f32(0), 16)
+    bcc0 = splat(f32(0), 16)
+    bcc1 = splat(f32(0), 16)
+    bm0 = splat(f32(0), 16)
+    bm1 = splat(f32(0), 16)
+    ng = nb // 4
+    for g in range(ng):
+        o = ro + 4 * nbytes * g
+        for p in range(0, 4 * nbytes, 64):
+            prefetch(w, o + _PF + p)
+        lo, hi, d, m = quad(w, o)
+        acc0, am0 = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc0, am0, has_min)
+        bcc0, bm0 = _group_32(lo, hi, d, m, xq, yo, xd, xsum, xoff, co, g, bcc0, bm0, has_min)
+        acc0, acc1, am0, am1 = acc1, acc0, am1, am0
+        bcc0, bcc1, bm0, bm1 = bcc1, bcc0, bm1, bm0
+    mins, nins = f32(0), f32(0)
+    tail = splat(f32(0), 8)
+    bail = splat(f32(0), 8)
+    for b in range(ng * 4, nb):
+        q, off, d, m = block(w, ro + nbytes * b)
+        tail, mins = _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins)
+        bail, nins = _block_32(q, d, m, xq, yo, xd, xsum, xoff, co, b, bail, nins)
+    return _total_32(acc0, acc1, am0, am1, tail, mins), _total_32(bcc0, bcc1, bm0, bm1, bail, nins)
+
+
+@njit(fastmath=True, inline="always")
+def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min):
+    """One token's share of group g (its 4 blocks unpacked: lo, hi, d, m) added to acc, am."""
+    xg = xo + 128 * g
+    i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
+    acc = fma(cvt(i, np.float32), vmul(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc)
+    if has_min:
+        am = fma(m, _SPREAD4(ld(xsum, bo + 4 * g, 4)), am)
+    return acc, am
+
+
+@njit(fastmath=True, inline="always")
+def _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins):
+    """One token's share of a last block b (past the whole groups) added to tail, mins."""
+    p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
+    return fma(p, splat(d * at(xd, bo + b), 8), tail), mins + m * at(xsum, bo + b)
+
+
+@njit(fastmath=True, inline="always")
+def _total_32(acc0, acc1, am0, am1, tail, mins):
     return hsum(vadd(vadd(acc0, acc1), vmul(vadd(am0, am1), f32(0.25)))) + hsum(tail) + mins  # 4 lanes a block
 
 
@@ -311,7 +360,12 @@ def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has
 def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nbytes, has_min):
     nb = k // 32
     for r in range(r0, r1):
-        for t in range(n):
+        t = 0
+        while t + 2 <= n:  # tokens in pairs: each weight group unpacked once for both
+            out[t, col + r], out[t + 1, col + r] = _dot_32x2(w, r * rb, xq, t * k, t * k + k, xd, xsum, xoff, t * nb,
+                                                             t * nb + nb, nb, block, quad, nbytes, has_min)
+            t += 2
+        if t < n:
             out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min)
 
 

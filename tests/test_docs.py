@@ -1,10 +1,10 @@
 """Every public name has a docstring: edgekv.__all__, the public methods and properties of
-LLM and ChatSession, and the objects they hand out (Event, Stats). PEP 561: py.typed ships."""
+LLM and ChatSession, and the objects they hand out (Event, Stats, Completion). PEP 561: py.typed ships."""
 import inspect
 from pathlib import Path
 
 import edgekv
-from edgekv.generate import Event, Stats
+from edgekv.generate import Completion, Event, Stats
 
 
 def _public_members(cls):
@@ -27,7 +27,7 @@ def test_every_public_name_has_a_docstring():
             continue
         if not (inspect.getdoc(obj) or "").strip():
             missing.append(name)
-    for cls in (edgekv.LLM, edgekv.ChatSession, Event, Stats):
+    for cls in (edgekv.LLM, edgekv.ChatSession, Event, Stats, Completion):
         for name, fn in _public_members(cls):
             if not (fn.__doc__ or "").strip():
                 missing.append(f"{cls.__name__}.{name}")

@@ -14,14 +14,25 @@ the arithmetic where its arrays live. The primitives (x float32, n = tokens in t
   store_exact(kv, plan, k, v)         rows plan.exact into rk, rv
   decode(kv, plan, q, q_pos, k, v, scale, rope, softcap) -> out, or None where the backend has
       no one-call decode step: all of the above for one token
+  join(outs) -> the outputs of a batch's sequences, stacked in row order
+
+A batch of several sequences (kv a kvcache.BatchLayer) runs the same step per sequence, on its
+rows of q, k, v and its own cache, so each sequence attends exactly as it would alone.
 """
 from __future__ import annotations
+
+import numpy as np
+
+from ..kvcache import BatchLayer
 
 
 class AttentionStep:
     """A backend's `attention` (see edgekv.backends), from its primitives."""
 
     def attention(self, q, q_pos, kv, k, v, scale: float, rope, softcap: float = 0.0):
+        if isinstance(kv, BatchLayer):
+            return self.join([self.attention(q[a:b], q_pos[a:b], lk, k[a:b], v[a:b], scale, rope, softcap)
+                              for lk, a, b in kv.parts()])
         plan = kv.plan(q_pos)
         if plan.store_first:
             kv.place(plan)  # attention reads the batch from the ring: its positions first
@@ -54,3 +65,6 @@ class AttentionStep:
 
     def decode(self, kv, plan, q, q_pos, k, v, scale, rope, softcap):
         return None
+
+    def join(self, outs):
+        return np.concatenate(outs)

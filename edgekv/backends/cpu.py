@@ -134,6 +134,7 @@ class CPUBackend(AttentionStep):
         self.auto_threads = threads is None  # None: fewer while other programs keep cores busy
         self._local = threading.local()  # numba's thread count belongs to the calling thread
         self.ops, self.qm, self.kvq, self.blk = ops, qmatmul, kvquant, block
+        self.batch_rows = qmatmul.SMALL_N  # the decode kernel's rows: each computed as if alone (LLM.forward_batch)
         mode = os.environ.get("EDGEKV_WEIGHTS", "map")
         if mode not in ("map", "copy"):
             from ..errors import EdgekvError

@@ -91,6 +91,10 @@ def dequantize_kv(kind: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 class ReferenceBackend(AttentionStep):
     name = "reference"
+    # Up to this many rows (a batch of decode tokens: LLM.forward_batch), a matmul is one product
+    # per row, the call a single token makes, so each row has its bits alone (BLAS's GEMM sums
+    # in another order than its one-row product); above it, one GEMM (prefill), as the CPU kernels.
+    batch_rows = 16
 
     def __init__(self):
         self._dense: dict[str, np.ndarray] = {}
@@ -121,11 +125,16 @@ class ReferenceBackend(AttentionStep):
             k = x.shape[-1] // 2
             x = {"silu": self.silu_mul, "gelu": self.gelu_mul}[pre](x[:, :k], x[:, k:])
         ws = w if isinstance(w, tuple) else (w,)
-        y = np.concatenate([(x @ self._w(t).T).astype(np.float32) for t in ws], axis=-1)
+        y = np.concatenate([self._product(x, self._w(t)) for t in ws], axis=-1)
         if residual is None:
             return y
         residual += y if post_w is None else self.rmsnorm(y, post_w, eps)
         return residual
+
+    def _product(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        if 1 < len(x) <= self.batch_rows:
+            return np.concatenate([(x[t : t + 1] @ w.T).astype(np.float32) for t in range(len(x))])
+        return (x @ w.T).astype(np.float32)
 
     def embed(self, w: Tensor, ids: np.ndarray) -> np.ndarray:
         rows = w.raw[np.asarray(ids)]  # each embedding row is whole blocks: dequantize just these
