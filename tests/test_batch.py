@@ -29,8 +29,10 @@ def tiny(arch: str) -> str:
 
 @lru_cache(maxsize=None)
 def llm_for(model: str, device: str, kv: str, n_ctx: int) -> LLM:
+    """Without the prompt cache: a call that restores another call's prefix continues as that
+    call would have (edgekv.prompt_cache), not as a cold run; here each run must be cold."""
     path = model_path(model) if model == "smollm2" else tiny(model)
-    return LLM(path, n_ctx=n_ctx, kv=kv, device=device)
+    return LLM(path, n_ctx=n_ctx, kv=kv, device=device, prompt_cache=False)
 
 
 def decode(llm: LLM, steps: int, batched: bool) -> tuple[list[list[np.ndarray]], list]:
