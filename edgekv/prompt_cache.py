@@ -35,6 +35,10 @@ from .kvcache import LAYER_ARRAYS
 from .kvfile import cache_arrays, load_cache, read_file, write_file
 
 MIN_TOKENS = 256  # a chat system prompt this long is prefilled alone and kept on disk
+# A part of a prompt another call computed is taken only from this many tokens on: a restored
+# prefix continues as that call would have, not as a cold run (its batches split elsewhere), and
+# a chat template's few shared header tokens are not worth a different result.
+MIN_REUSE = 32
 DEFAULT_MEMORY = 256 * 2**20  # bytes of snapshots kept in memory
 DEFAULT_DISK = 2**30  # bytes of files under $EDGEKV_HOME/prompt-cache
 MAGIC = b"EDGEKVP\x00"
@@ -104,6 +108,7 @@ class PromptCache:
                  directory: str | os.PathLike | None = None):
         self.llm = llm
         self.memory_bytes, self.disk_bytes = int(memory_bytes), int(disk_bytes)
+        self.min_reuse = MIN_REUSE  # tokens past what the sequence holds (a whole prompt with its logits: any)
         self._directory = Path(directory) if directory is not None else None
         self._mem: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
         self._lock = threading.Lock()
@@ -144,10 +149,12 @@ class PromptCache:
                         m = min(_common(e.tokens, ids), limit)
                         if m > n or (m == n and entry is not None and len(e.tokens) < len(entry.tokens)):
                             entry, n, source = e, m, "memory"
+                    if entry is not None and n - have < self.min_reuse:
+                        entry, n, source = None, have, ""
             if entry is not None:
                 self._mem.move_to_end(entry.tokens)
         if self.disk_bytes > 0 and limit > n:
-            found = self._find_on_disk(ids, limit, limit - 1 if exact else n)
+            found = self._find_on_disk(ids, limit, limit - 1 if exact else max(n, have + self.min_reuse - 1))
             if found is not None:
                 entry, n, source = found, len(found.tokens), "disk"
         if entry is None:

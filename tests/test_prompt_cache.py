@@ -99,6 +99,7 @@ def test_other_prefixes_continue_as_the_sequence_that_computed_them(tmp_path, kv
     (int calibration and exact rows included), then the rest; the same prompt again needs no
     prefill and equals the cold call."""
     warm = new_llm(kv, tmp_path)
+    warm.prompt_cache.min_reuse = 1  # short prompts: take any shared prefix
     p1 = warm.tokenize("The history of the bicycle begins in the early nineteenth century, when")
     rec1 = Recorder()
     list(generate(warm, Sequence(warm), p1, rec1, max_tokens=4, remember=True))
@@ -148,6 +149,8 @@ def test_longest_prefix_and_the_memory_budget(tmp_path):
         assert s.tokens == list(ids[:n]) and all(lk.n_written == n for lk in s.cache.layers)
         return n, src
 
+    assert restored(base[:7] + [5]) == (0, "")  # fewer shared tokens than min_reuse (32): run cold
+    pc.min_reuse = 1
     assert restored(base[:7] + [5]) == (7, "memory")  # the long entry, trimmed to what is shared
     assert restored(base[:3] + [5]) == (3, "memory")
     assert restored([99, 98]) == (0, "")  # nothing shared
