@@ -271,9 +271,10 @@ def _igemm(x, ws, qtype, out, col0):
                 xs[i] = 0
     xq4 = xq.view(np.uint32)
     rb = ws[0].shape[1]
-    t0, t1, t2 = _tiles(ws, _R)
-    for item in prange(t0 + t1 + t2):
-        w, col, r0, nr = _tile_at(ws, item, t0, t1, _R, col0)
+    m0, m1, m2, tiles = _tiles(ws, _R)
+    for item in prange(tiles):
+        p, col, r0, nr = _tile_at(item, m0, m1, m2, _R, col0)
+        w = ws[p]
         u = np.empty(k // 4 * _R, np.uint32)
         s = np.empty(nsb * _R, np.float32)
         mn = np.empty(nsb * _R, np.float32)

@@ -561,9 +561,10 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         for t in range(n):
             _acts_k4(xq, k, t)
     xf = xa.reshape(-1)
-    c0, c1, c2 = _tiles(ws, _CHUNK)
-    for item in prange(c0 + c1 + c2):
-        w, col, r0, nr = _tile_at(ws, item, c0, c1, _CHUNK, col0)
+    m0, m1, m2, tiles = _tiles(ws, _CHUNK)
+    for item in prange(tiles):
+        p, col, r0, nr = _tile_at(item, m0, m1, m2, _CHUNK, col0)
+        w = ws[p]
         _dot_rows(qtype, w.reshape(-1), rb, r0, r0 + nr, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
     if res.shape[0]:
         _epilogue(out, col0, m0 + m1 + ws[2].shape[0], eps, res, post_w)
@@ -584,9 +585,10 @@ def _qgemm(x, ws, qtype, out, col0):
                 for i in range(i0, min(k, i0 + 64)):
                     xp[g, i, j] = x[g * _TOK + j, i]
     xpf = xp.reshape(-1)
-    t0, t1, t2 = _tiles(ws, _ROWS)
-    for item in prange(t0 + t1 + t2):
-        w, col, r0, nr = _tile_at(ws, item, t0, t1, _ROWS, col0)
+    m0, m1, m2, tiles = _tiles(ws, _ROWS)
+    for item in prange(tiles):
+        p, col, r0, nr = _tile_at(item, m0, m1, m2, _ROWS, col0)
+        w = ws[p]
         wf = w.reshape(-1)
         wt = np.empty(_ROWS * k, np.float32)  # (_ROWS, k) decoded rows
         res = np.empty(_ROWS * _TOK, np.float32)  # (_ROWS, _TOK) tile results
