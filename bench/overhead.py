@@ -64,10 +64,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    tiny = Path(tempfile.gettempdir()) / "edgekv-overhead-tiny30.gguf"
+    tiny = Path(tempfile.gettempdir()) / "edgekv-overhead-tiny30-ctx1024.gguf"
     if not tiny.exists():
         write_synthetic(tiny, "llama", "tiny", "q4_0", progress=False, n_layer=30, n_embd=64, n_head=2,
-                        n_head_kv=1, n_ff=64, n_vocab=320)
+                        n_head_kv=1, n_ff=64, n_vocab=320, n_ctx=1024)
     a = edgekv.load(tiny, n_ctx=1024, kv=args.kv, threads=args.threads, progress=False)
     b = edgekv.load("smollm2", n_ctx=1024, kv=args.kv, threads=args.threads, progress=False)
     for llm in (a, b):  # compile and warm up

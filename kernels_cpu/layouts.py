@@ -480,9 +480,9 @@ def _tiles(ws, rows):
 @njit(inline="always")
 def _tile_at(item, m0, m1, m2, rows, col0):
     """Work item -> (its part, the part's first output column, the tile's first row, its rows)
-    for parts of m0, m1, m2 rows whose outputs start at column col0. Ints in and out: arrays handed to
-    an inlined helper in a parallel loop cost reference counts per work item (5-6% of a decode
-    matvec at 1-2 threads), so the caller takes ws[part] itself."""
+    for parts of m0, m1, m2 rows whose outputs start at column col0. Ints in and out: the tuple of
+    arrays handed to this inlined helper in the parallel loop cost reference counts per work item
+    (5-8% of a decode matvec at 1 thread), so the caller takes ws[part] itself."""
     p, tile = _part(np.int64(item), (m0 + rows - 1) // rows, (m1 + rows - 1) // rows)  # (prange may be unsigned)
     r0 = tile * rows
     if p == 0:

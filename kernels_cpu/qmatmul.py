@@ -185,18 +185,11 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min)
     # so that they yield sum((q - off) * xq) in 4 lanes per block, times d and the activations'
     # xd spread to the block's lanes (a copy per lane in memory read slower at large k: 33 KB
     # of activations a row at k = 11008). Groups alternate between two accumulators (one would
-    # make each group wait for the last FMA). The weight stream is prefetched _PF bytes ahead:
-    # the hardware prefetcher stops at each 4 KiB page.
-    acc0 = splat(f32(0), 16)
-    acc1 = splat(f32(0), 16)
-    am0 = splat(f32(0), 16)
-    am1 = splat(f32(0), 16)
+    # make each group wait for the last FMA).
+    acc0, acc1, am0, am1 = _zeros_32()
     ng = nb // 4
     for g in range(ng):
-        o = ro + 4 * nbytes * g
-        for p in range(0, 4 * nbytes, 64):
-            prefetch(w, o + _PF + p)
-        lo, hi, d, m = quad(w, o)
+        lo, hi, d, m = _fetch_32(w, ro + 4 * nbytes * g, quad, nbytes)
         acc0, am0 = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc0, am0, has_min)
         acc0, acc1 = acc1, acc0  # the next group adds to the other one
         am0, am1 = am1, am0
@@ -212,20 +205,11 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min)
 def _dot_32x2(w, ro, xq, xo, yo, xd, xsum, xoff, bo, co, nb, block, quad, nbytes, has_min):
     """_dot_32 for two tokens (activations at xo, bo and at yo, co) from one unpacking of each
     weight group: each token's sums are _dot_32's, in its order, so each result has its bits."""
-    acc0 = splat(f32(0), 16)
-    acc1 = splat(f32(0), 16)
-    am0 = splat(f32(0), 16)
-    am1 = splat(f32(0), 16)
-    bcc0 = splat(f32(0), 16)
-    bcc1 = splat(f32(0), 16)
-    bm0 = splat(f32(0), 16)
-    bm1 = splat(f32(0), 16)
+    acc0, acc1, am0, am1 = _zeros_32()
+    bcc0, bcc1, bm0, bm1 = _zeros_32()
     ng = nb // 4
     for g in range(ng):
-        o = ro + 4 * nbytes * g
-        for p in range(0, 4 * nbytes, 64):
-            prefetch(w, o + _PF + p)
-        lo, hi, d, m = quad(w, o)
+        lo, hi, d, m = _fetch_32(w, ro + 4 * nbytes * g, quad, nbytes)
         acc0, am0 = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc0, am0, has_min)
         bcc0, bm0 = _group_32(lo, hi, d, m, xq, yo, xd, xsum, xoff, co, g, bcc0, bm0, has_min)
         acc0, acc1, am0, am1 = acc1, acc0, am1, am0
@@ -238,6 +222,22 @@ def _dot_32x2(w, ro, xq, xo, yo, xd, xsum, xoff, bo, co, nb, block, quad, nbytes
         tail, mins = _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins)
         bail, nins = _block_32(q, d, m, xq, yo, xd, xsum, xoff, co, b, bail, nins)
     return _total_32(acc0, acc1, am0, am1, tail, mins), _total_32(bcc0, bcc1, bm0, bm1, bail, nins)
+
+
+@njit(fastmath=True, inline="always")
+def _zeros_32():
+    """_dot_32's accumulators: two for the groups' products, two for their minimums."""
+    z = splat(f32(0), 16)
+    return z, z, z, z
+
+
+@njit(fastmath=True, inline="always")
+def _fetch_32(w, o, quad, nbytes):
+    """The group of 4 blocks at byte o unpacked (lo, hi, d, m), the stream prefetched _PF bytes
+    ahead of it (the hardware prefetcher stops at each 4 KiB page)."""
+    for p in range(0, 4 * nbytes, 64):
+        prefetch(w, o + _PF + p)
+    return quad(w, o)
 
 
 @njit(fastmath=True, inline="always")
