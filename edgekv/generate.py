@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence as Seq
 
 import numpy as np
@@ -74,11 +74,21 @@ class Stats:
 class Sequence:
     """A KV cache and the token ids it holds, in order. Positions are indices into `tokens`."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, cache=None):
         self.llm = llm
-        self.cache = llm.new_cache()
+        self.cache = cache if cache is not None else llm.new_cache()
         self.tokens: list[int] = []
         self._serial = getattr(llm.backend, "serial", _NO_DEFER)  # the backend's: forward passes may take turns
+
+    def fork(self) -> "Sequence":
+        """A sequence holding the same tokens in a cache of its own (KVCache.fork: a copy), to go on
+        apart from this one: what it computes next is what this one would."""
+        sync = getattr(self.llm.backend, "sync_to_host", None)  # a GPU backend holds the rings
+        if sync is not None:
+            sync(self.cache)
+        twin = Sequence(self.llm, self.cache.fork())
+        twin.tokens = list(self.tokens)
+        return twin
 
     def feed(self, ids: Seq[int], cancel: threading.Event | None = None) -> np.ndarray | None:
         """Append ids, run them through the model; the logits (n_vocab,) after the last one.
@@ -433,33 +443,58 @@ def generate_many(llm, seqs: list[Sequence], prompts: list[Seq[int]], samplers: 
     stats = stats if stats is not None else [Stats() for _ in prompts]
     try:
         logits = [prefill(llm, s, p, cancel, st) for s, p, st in zip(seqs, prompts, stats)]
-        t0 = time.perf_counter()
-        turns = [Turn(llm, s, sm, max_tokens, stop, cancel, st) for s, sm, st in zip(seqs, samplers, stats)]
-        texts: list[list[str]] = [[] for _ in prompts]
-        tokens: list[list[int]] = [[] for _ in prompts]
-        for j, lg in enumerate(logits):
-            if lg is None:
-                turns[j].reason = "cancelled"
-        live = [j for j, lg in enumerate(logits) if lg is not None]
-        while live:
-            feed = []
-            for j in live:
-                event, tok = turns[j].pick(logits[j])
-                if event is not None:
-                    texts[j].append(event.text)
-                    tokens[j].append(event.token)
-                if tok is None:
-                    stats[j].decode_s = time.perf_counter() - t0
-                    leave(llm, [seqs[j]])
-                else:
-                    feed.append((j, tok))
-            if feed:
-                out = submit(llm, [seqs[j] for j, _ in feed], [[tok] for _, tok in feed])
-                for (j, _), lg in zip(feed, out):
-                    logits[j] = lg
-            live = [j for j, _ in feed]
+        return decode_many(llm, seqs, logits, samplers, stats, max_tokens=max_tokens, stop=stop, cancel=cancel)
     finally:
         leave(llm, seqs)
+
+
+def generate_samples(llm, seq: Sequence, prompt_ids: Seq[int], samplers: list[Sampler], *, max_tokens: int,
+                     stop: Seq[str] = (), cancel: threading.Event | None = None) -> list[Completion]:
+    """len(samplers) continuations of one prompt: it is prefilled once into seq, which then forks
+    (Sequence.fork) once per further sampler, and all of them decode as one batch. Result i
+    equals `generate` of the prompt with samplers[i]; each one's stats carry the shared prefill."""
+    seqs = [seq]
+    try:
+        first = Stats()
+        logits = prefill(llm, seq, prompt_ids, cancel, first)
+        seqs += [seq.fork() for _ in samplers[1:]]  # before anyone decodes: each starts from the prompt
+        stats = [first] + [replace(first) for _ in samplers[1:]]
+        # a sampler may write to its logits: each gets a copy
+        lgs = [logits] + [None if logits is None else logits.copy() for _ in samplers[1:]]
+        return decode_many(llm, seqs, lgs, samplers, stats, max_tokens=max_tokens, stop=stop, cancel=cancel)
+    finally:
+        leave(llm, seqs)
+
+
+def decode_many(llm, seqs: list[Sequence], logits: list, samplers: list[Sampler], stats: list[Stats], *,
+                max_tokens: int, stop: Seq[str] = (), cancel: threading.Event | None = None) -> list[Completion]:
+    """Decode prefilled sequences (logits[j]: after seqs[j]'s prompt, None if its prefill was
+    cancelled), the next tokens of all unfinished ones as one batch per step."""
+    t0 = time.perf_counter()
+    turns = [Turn(llm, s, sm, max_tokens, stop, cancel, st) for s, sm, st in zip(seqs, samplers, stats)]
+    texts: list[list[str]] = [[] for _ in seqs]
+    tokens: list[list[int]] = [[] for _ in seqs]
+    for j, lg in enumerate(logits):
+        if lg is None:
+            turns[j].reason = "cancelled"
+    live = [j for j, lg in enumerate(logits) if lg is not None]
+    while live:
+        feed = []
+        for j in live:
+            event, tok = turns[j].pick(logits[j])
+            if event is not None:
+                texts[j].append(event.text)
+                tokens[j].append(event.token)
+            if tok is None:
+                stats[j].decode_s = time.perf_counter() - t0
+                leave(llm, [seqs[j]])
+            else:
+                feed.append((j, tok))
+        if feed:
+            out = submit(llm, [seqs[j] for j, _ in feed], [[tok] for _, tok in feed])
+            for (j, _), lg in zip(feed, out):
+                logits[j] = lg
+        live = [j for j, _ in feed]
     results = []
     for j, turn in enumerate(turns):
         stats[j].measure_kv(seqs[j].cache)

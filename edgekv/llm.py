@@ -219,6 +219,27 @@ class LLM:
         return generate_many(self, [Sequence(self) for _ in ids], ids, samplers, max_tokens=max_tokens, stop=stop,
                              cancel=cancel)
 
+    def sample(self, prompt: str | bytes | list[int], n: int = 1, *, max_tokens: int = 256,
+               stop: list[str] | tuple = (), cancel=None, add_bos: bool | None = None, **sampling) -> list["Completion"]:
+        """n completions of one prompt (OpenAI's `n`): the prompt is prefilled once, its cache
+        copied for each further sample (KVCache.fork), and all n decode as one batch. Sample i
+        is seeded with `seed + i` (mod 2**128), so it is exactly `generate(prompt, seed=seed + i)`;
+        seed None: each sample draws fresh entropy (its Sampler keeps the seed it used). Other
+        keywords as `generate`; returns a generate.Completion per sample, in order."""
+        from .generate import Sequence, generate_samples
+        from .sampling import Sampler
+
+        if not isinstance(n, int) or n < 1:
+            raise EdgekvError(f"n must be a whole number >= 1, got {n!r}")
+        seed = self.sampling(**sampling).seed  # checked before it is offset
+        sampling.pop("seed", None)
+        samplers = [Sampler(self.sampling(seed=None if seed is None else (seed + i) % 2**128, **sampling),
+                            self.cfg.n_vocab) for i in range(n)]
+        ids = self._prompt_ids(prompt, add_bos)
+        if max_tokens < 0:
+            raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
+        return generate_samples(self, Sequence(self), ids, samplers, max_tokens=max_tokens, stop=stop, cancel=cancel)
+
     def chat_ids(self, rendered: str) -> list[int]:
         """Token ids of a rendered chat prompt: special tokens parsed, and BOS added only when
         the model wants one and the template did not already write it (gemma's does)."""
