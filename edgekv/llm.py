@@ -240,6 +240,28 @@ class LLM:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
         return generate_samples(self, Sequence(self), ids, samplers, max_tokens=max_tokens, stop=stop, cancel=cancel)
 
+    def beam_search(self, prompt: str | bytes | list[int], num_beams: int = 4, *, max_tokens: int = 64,
+                    length_penalty: float = 1.0, early_stopping: bool = False, cancel=None,
+                    add_bos: bool | None = None) -> list["Hypothesis"]:
+        """Beam search over the model's log-probabilities, as Hugging Face transformers does it
+        (edgekv.beam): the num_beams best hypotheses, best first, each a Completion with its
+        `score` (sum of log-probabilities / generated tokens ** length_penalty; EOS counts as a
+        token and ends a hypothesis, "stop"). early_stopping: end as soon as num_beams are
+        finished (False: once no running beam can beat them). The beams share the prompt's
+        prefill and decode as one batch; a beam that splits copies its cache (KVCache.fork)."""
+        from .beam import beam_search
+        from .generate import Sequence
+
+        if not isinstance(num_beams, int) or num_beams < 1:
+            raise EdgekvError(f"num_beams must be a whole number >= 1, got {num_beams!r}")
+        if max_tokens < 0:
+            raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not isinstance(length_penalty, (int, float)) or not np.isfinite(length_penalty):
+            raise EdgekvError(f"length_penalty must be a finite number, got {length_penalty!r}")
+        ids = self._prompt_ids(prompt, add_bos)
+        return beam_search(self, Sequence(self), ids, num_beams=num_beams, max_tokens=max_tokens,
+                           length_penalty=float(length_penalty), early_stopping=bool(early_stopping), cancel=cancel)
+
     def chat_ids(self, rendered: str) -> list[int]:
         """Token ids of a rendered chat prompt: special tokens parsed, and BOS added only when
         the model wants one and the template did not already write it (gemma's does)."""
