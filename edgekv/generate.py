@@ -434,36 +434,27 @@ class Completion:
     stats: Stats
 
 
-def generate_many(llm, seqs: list[Sequence], prompts: list[Seq[int]], samplers: list[Sampler], *, max_tokens: int,
-                  stop: Seq[str] = (), cancel: threading.Event | None = None,
-                  stats: list[Stats] | None = None) -> list[Completion]:
-    """`generate` for several prompts at once: each is prefilled alone (in its chunks), then the
-    next tokens of all unfinished ones run as one batch per step (run -> LLM.forward_batch);
-    a sequence drops out when it finishes. Each result equals its prompt's `generate`."""
-    stats = stats if stats is not None else [Stats() for _ in prompts]
+def generate_many(llm, seqs: list[Sequence], prompts: list[Seq[int]], samplers: list[Sampler], *, n: int = 1,
+                  max_tokens: int, stop: Seq[str] = (), cancel: threading.Event | None = None) -> list[Completion]:
+    """`generate` for several prompts at once, n samples of each: every prompt is prefilled once
+    (alone, in its chunks) into its sequence, which then forks (Sequence.fork) for each further
+    sample; then the next tokens of all unfinished samples run as one batch per step (run ->
+    LLM.forward_batch), a sample dropping out when it finishes. samplers and the results are
+    prompt-major (prompt j's sample i at j * n + i); each result equals its prompt's `generate`
+    with its sampler, and its stats carry its prompt's one prefill."""
+    runs: list[Sequence] = []
     try:
-        logits = [prefill(llm, s, p, cancel, st) for s, p, st in zip(seqs, prompts, stats)]
-        return decode_many(llm, seqs, logits, samplers, stats, max_tokens=max_tokens, stop=stop, cancel=cancel)
+        logits, stats = [], []
+        for seq, p in zip(seqs, prompts):
+            runs.append(seq)
+            first = Stats()
+            lg = prefill(llm, seq, p, cancel, first)
+            runs += [seq.fork() for _ in range(n - 1)]  # before anyone decodes: each starts from the prompt
+            stats += [first] + [replace(first) for _ in range(n - 1)]
+            logits += [lg] + [None if lg is None else lg.copy() for _ in range(n - 1)]  # a sampler may write to its logits
+        return decode_many(llm, runs, logits, samplers, stats, max_tokens=max_tokens, stop=stop, cancel=cancel)
     finally:
-        leave(llm, seqs)
-
-
-def generate_samples(llm, seq: Sequence, prompt_ids: Seq[int], samplers: list[Sampler], *, max_tokens: int,
-                     stop: Seq[str] = (), cancel: threading.Event | None = None) -> list[Completion]:
-    """len(samplers) continuations of one prompt: it is prefilled once into seq, which then forks
-    (Sequence.fork) once per further sampler, and all of them decode as one batch. Result i
-    equals `generate` of the prompt with samplers[i]; each one's stats carry the shared prefill."""
-    seqs = [seq]
-    try:
-        first = Stats()
-        logits = prefill(llm, seq, prompt_ids, cancel, first)
-        seqs += [seq.fork() for _ in samplers[1:]]  # before anyone decodes: each starts from the prompt
-        stats = [first] + [replace(first) for _ in samplers[1:]]
-        # a sampler may write to its logits: each gets a copy
-        lgs = [logits] + [None if logits is None else logits.copy() for _ in samplers[1:]]
-        return decode_many(llm, seqs, lgs, samplers, stats, max_tokens=max_tokens, stop=stop, cancel=cancel)
-    finally:
-        leave(llm, seqs)
+        leave(llm, runs)
 
 
 def decode_many(llm, seqs: list[Sequence], logits: list, samplers: list[Sampler], stats: list[Stats], *,

@@ -56,3 +56,11 @@ def test_sample_arguments_and_a_fork_goes_on_apart():
     want = a.fork().feed([7])
     a.feed([8])
     assert np.array_equal(b.feed([7]), want)
+
+
+def test_generate_many_with_n_is_prompt_major_each_sample_its_solo_run():
+    llm = llm_for("smollm2", "cpu", "int8", 64)
+    prompts, seeds = [PROMPT, "The capital of France is"], [3, 10]
+    got = llm.generate_many(prompts, n=2, max_tokens=8, temperature=0.9, seed=seeds)
+    want = [solo(llm, p, max_tokens=8, temperature=0.9, seed=s + i) for p, s in zip(prompts, seeds) for i in range(2)]
+    assert [(c.text, c.tokens, c.finish_reason) for c in got] == want
