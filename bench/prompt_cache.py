@@ -7,11 +7,9 @@ Each rep, on an empty cache folder, in this process after a warm-up (kernels loa
 chats): a cold chat (nothing cached: the system prompt is prefilled and kept in memory and on
 disk), a chat with another question (from memory), the same with memory emptied (from disk).
 Then two new processes that load the model and its kernels (`prepare`, as `edgekv chat` does
-before the prompt; not timed) and time their first chat: one on an
-empty folder (cold), one on the folder the first wrote (from disk); a new process's ratio is
-against the cold new process, so both pay its first-call costs. Then the same two again after
-running warmup's groups in the new process (numba then loads every kernel before the chat,
-which `prepare` does only after compiling: with a warm disk cache it loads nothing). Time to first token is wall
+before the prompt: with a warm disk cache it loads every kernel; not timed) and time their
+first chat: one on an empty folder (cold), one on the folder the first wrote (from disk); a new
+process's ratio is against the cold new process. Time to first token is wall
 time from the `llm.chat(stream=True)` call to the first token's chunk (template, tokenizer,
 cache lookup and load, prefill, the first token sampled and fed); medians over the reps. Also
 the bytes of the cached prefix (in memory, and its file) and the KV bytes the chat holds.
@@ -72,13 +70,10 @@ def load(args, directory: Path):
 def child(args) -> None:
     """A new process: load and prepare the kernels (not timed: `edgekv chat` and `run` do both
     before the prompt), then its first chat, cold or from the files in --child."""
-    from edgekv.warmup import GROUPS, prepare, run_group
+    from edgekv.warmup import prepare
 
     llm = load(args, Path(args.child))
     prepare(llm, progress=False)
-    if args.load_kernels:  # what prepare does after compiling: numba loads each kernel here
-        for g in GROUPS:
-            run_group(g[0], llm.backend)
     system = system_prompt(llm, args.tokens)
     t, st = ttft(llm, system, QUESTIONS[3])
     print(json.dumps(dict(ttft=t, **st)))
@@ -102,7 +97,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--load-kernels", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
@@ -112,8 +106,7 @@ def main() -> None:
         llm = load(args, d)
         system = system_prompt(llm, args.tokens)
         warm_up(llm)
-        rows = {k: [] for k in ("cold", "memory", "disk, same process", "cold, new process", "disk, new process",
-                                "cold, new process, kernels loaded", "disk, new process, kernels loaded")}
+        rows = {k: [] for k in ("cold", "memory", "disk, same process", "cold, new process", "disk, new process")}
         info = {}
         for _ in range(args.r):
             shutil.rmtree(d, ignore_errors=True)
@@ -127,12 +120,10 @@ def main() -> None:
             rows["disk, same process"].append(t)
             info["disk, same process"] = st
             rep = len(rows["cold"])
-            for name, folder, extra in (("cold, new process", root / f"empty-{rep}", []), ("disk, new process", d, []),
-                                        ("cold, new process, kernels loaded", root / f"empty-k{rep}", ["--load-kernels"]),
-                                        ("disk, new process, kernels loaded", d, ["--load-kernels"])):
+            for name, folder in (("cold, new process", root / f"empty-{rep}"), ("disk, new process", d)):
                 cmd = [sys.executable, __file__, args.model, "--kv", args.kv, "--ctx", str(args.ctx), "--tokens",
-                       str(args.tokens), "--child", str(folder)] + extra + (["--threads", str(args.threads)]
-                                                                             if args.threads else [])
+                       str(args.tokens), "--child", str(folder)] + (["--threads", str(args.threads)]
+                                                                    if args.threads else [])
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
                 st = json.loads(out)
                 rows[name].append(st.pop("ttft"))

@@ -125,28 +125,55 @@ def _run_prompt(args) -> str:
             raise EdgekvError("give PROMPT or -f FILE, not both")
         return read_text_file(args.file)
     if args.prompt is None:
-        raise EdgekvError("no prompt: give PROMPT, - to read stdin, or -f FILE")
+        raise EdgekvError("no prompt: give PROMPT, - to read stdin, -f FILE, -p TEXT or --prompts FILE")
     return sys.stdin.read() if args.prompt == "-" else args.prompt
+
+
+def _run_prompts(args) -> list[str]:
+    """run's prompts: PROMPT (or stdin, or -f FILE) if given, then each -p, then each non-blank
+    line of --prompts FILE; checked against the other flags before a model loads."""
+    more = list(args.more_prompts or [])
+    if args.prompts_file is not None:
+        lines = [line for line in read_text_file(args.prompts_file).splitlines() if line.strip()]
+        if not lines:
+            raise EdgekvError(f"{args.prompts_file} holds no prompts (one a line)")
+        more += lines
+    prompts = more if more and args.prompt is None and args.file is None else [_run_prompt(args)] + more
+    if args.beams is not None:
+        if args.parallel > 1:
+            raise EdgekvError("--parallel does not apply to --beams (a prompt's beams already decode as one batch)")
+        if args.stop:
+            raise EdgekvError("--stop does not apply to --beams (a beam ends at EOS or -n)")
+        if args.n_samples > args.beams:
+            raise EdgekvError(f"--n-samples {args.n_samples} with --beams {args.beams}: at most the {args.beams} beams")
+    return prompts
+
+
+def _run_input(llm, args, prompt: str) -> tuple:
+    """(what to generate from, keep) for one prompt: the text, or the chat template's ids with
+    the length of a long system prompt (what the prompt cache keeps)."""
+    from .prompt_cache import system_prefix
+
+    if not (args.chat or args.system is not None):
+        return prompt, 0
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": prompt})
+    ids = llm.chat_ids(llm.template.render(messages, add_generation_prompt=True))
+    return ids, system_prefix(llm, messages, ids)
 
 
 def cmd_run(args) -> int:
     import json
 
     from .llm import load
-    from .prompt_cache import system_prefix
     from .warmup import prepare
 
-    prompt = _run_prompt(args)
+    prompts = _run_prompts(args)
     llm = load(args.model, progress=not args.quiet, **_load_args(args))
     prepare(llm, progress=not args.quiet)  # a fresh install compiles first: say so, behind a bar
-    keep = 0
-    if args.chat or args.system is not None:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        messages.append({"role": "user", "content": prompt})
-        prompt_in = llm.chat_ids(llm.template.render(messages, add_generation_prompt=True))
-        keep = system_prefix(llm, messages, prompt_in)  # a long system prompt: from the prompt cache
-    else:
-        prompt_in = prompt
+    if len(prompts) > 1 or args.n_samples > 1 or args.beams is not None:
+        return _run_many(args, llm, [_run_input(llm, args, p)[0] for p in prompts])
+    prompt_in, keep = _run_input(llm, args, prompts[0])
     pieces, reason = [], None
     tty = sys.stdout.isatty()  # a terminal gets control characters escaped, a pipe the exact text
     for e in llm.generate(prompt_in, max_tokens=args.max_tokens, stop=args.stop or (), keep=keep,
@@ -159,6 +186,38 @@ def cmd_run(args) -> int:
         print(json.dumps(dict(model=str(llm.path), text="".join(pieces), finish_reason=reason, **llm.stats.as_dict())))
     else:  # a pipe gets the text as generated; a person is told where it was cut
         print(cut_note(args.max_tokens, Style.for_stdout()) if tty and reason == "length" else "", flush=True)
+    return 0
+
+
+def _run_many(args, llm, prompts: list) -> int:
+    """Several prompts (--parallel of them at a time, decoded as one batch) or several samples
+    (--n-samples, one prefill each) or beams of each: every result printed whole under a label,
+    or (--json) one JSON object a line."""
+    import json
+
+    k, tty, style = args.n_samples, sys.stdout.isatty(), Style.for_stdout()
+    for g in range(0, len(prompts), args.parallel):
+        group = prompts[g : g + args.parallel]
+        if args.beams is not None:
+            done = [h for p in group for h in llm.beam_search(p, args.beams, max_tokens=args.max_tokens)[:k]]
+        else:
+            done = llm.generate_many(group, n=k, max_tokens=args.max_tokens, stop=args.stop or (),
+                                     **_sampling_args(args))
+        for r, c in enumerate(done):
+            j, i = g + r // k, r % k
+            score = getattr(c, "score", None)  # beams only
+            if args.json:
+                extra = {} if score is None else dict(score=round(score, 6))
+                print(json.dumps(dict(model=str(llm.path), prompt=j, sample=i, text=c.text, finish_reason=c.finish_reason,
+                                      **extra, **c.stats.as_dict())), flush=True)
+                continue
+            label = [f"prompt {j + 1}"] if len(prompts) > 1 else []
+            label += [f"beam {i + 1}, score {score:.4f}"] if score is not None else [f"sample {i + 1}"] if k > 1 else []
+            cut = cut_note(args.max_tokens, style) if tty and c.finish_reason == "length" else ""
+            if g + r:
+                print()  # a blank line between results
+            print(f"{style.note}--- {', '.join(label)} ---{style.reset}")
+            print((printable(c.text) if tty else c.text) + cut, flush=True)
     return 0
 
 
@@ -596,8 +655,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", metavar="MODEL", help="known name or .gguf path")
     s.add_argument("prompt", nargs="?", default=None, metavar="PROMPT", help="text, or - to read stdin (or -f FILE)")
     s.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from FILE")
+    s.add_argument("-p", "--prompt", dest="more_prompts", action="append", metavar="TEXT",
+                   help="a prompt (repeatable: several prompts, each result printed under a label)")
+    s.add_argument("--prompts", dest="prompts_file", default=None, metavar="FILE", help="one prompt per line of FILE")
     s.add_argument("-n", "--max-tokens", type=nonnegative_int, default=128, metavar="N",
                    help="tokens to generate (chat's default is 512: a reply, not a continuation)")
+    s.add_argument("--n-samples", type=positive_int, default=1, metavar="K",
+                   help="K completions of each prompt from one prefill, decoded as one batch (sample i: --seed + i)")
+    s.add_argument("--parallel", type=positive_int, default=1, metavar="N",
+                   help="decode N prompts at a time as one batch")
+    s.add_argument("--beams", type=positive_int, default=None, metavar="N",
+                   help="beam search with N beams (no sampling; prints the best, or the --n-samples best)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     s.add_argument("--system", default=None, metavar="TEXT", help="system prompt (implies --chat)")
     s.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, timings)")

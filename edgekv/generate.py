@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence as Seq
 
 import numpy as np
@@ -74,11 +74,21 @@ class Stats:
 class Sequence:
     """A KV cache and the token ids it holds, in order. Positions are indices into `tokens`."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, cache=None):
         self.llm = llm
-        self.cache = llm.new_cache()
+        self.cache = cache if cache is not None else llm.new_cache()
         self.tokens: list[int] = []
         self._serial = getattr(llm.backend, "serial", _NO_DEFER)  # the backend's: forward passes may take turns
+
+    def fork(self) -> "Sequence":
+        """A sequence holding the same tokens in a cache of its own (KVCache.fork: a copy), to go on
+        apart from this one: what it computes next is what this one would."""
+        sync = getattr(self.llm.backend, "sync_to_host", None)  # a GPU backend holds the rings
+        if sync is not None:
+            sync(self.cache)
+        twin = Sequence(self.llm, self.cache.fork())
+        twin.tokens = list(self.tokens)
+        return twin
 
     def feed(self, ids: Seq[int], cancel: threading.Event | None = None) -> np.ndarray | None:
         """Append ids, run them through the model; the logits (n_vocab,) after the last one.
@@ -424,42 +434,58 @@ class Completion:
     stats: Stats
 
 
-def generate_many(llm, seqs: list[Sequence], prompts: list[Seq[int]], samplers: list[Sampler], *, max_tokens: int,
-                  stop: Seq[str] = (), cancel: threading.Event | None = None,
-                  stats: list[Stats] | None = None) -> list[Completion]:
-    """`generate` for several prompts at once: each is prefilled alone (in its chunks), then the
-    next tokens of all unfinished ones run as one batch per step (run -> LLM.forward_batch);
-    a sequence drops out when it finishes. Each result equals its prompt's `generate`."""
-    stats = stats if stats is not None else [Stats() for _ in prompts]
+def generate_many(llm, seqs: list[Sequence], prompts: list[Seq[int]], samplers: list[Sampler], *, n: int = 1,
+                  max_tokens: int, stop: Seq[str] = (), cancel: threading.Event | None = None) -> list[Completion]:
+    """`generate` for several prompts at once, n samples of each: every prompt is prefilled once
+    (alone, in its chunks) into its sequence, which then forks (Sequence.fork) for each further
+    sample; then the next tokens of all unfinished samples run as one batch per step (run ->
+    LLM.forward_batch), a sample dropping out when it finishes. samplers and the results are
+    prompt-major (prompt j's sample i at j * n + i); each result equals its prompt's `generate`
+    with its sampler, and its stats carry its prompt's one prefill."""
+    runs: list[Sequence] = []
     try:
-        logits = [prefill(llm, s, p, cancel, st) for s, p, st in zip(seqs, prompts, stats)]
-        t0 = time.perf_counter()
-        turns = [Turn(llm, s, sm, max_tokens, stop, cancel, st) for s, sm, st in zip(seqs, samplers, stats)]
-        texts: list[list[str]] = [[] for _ in prompts]
-        tokens: list[list[int]] = [[] for _ in prompts]
-        for j, lg in enumerate(logits):
-            if lg is None:
-                turns[j].reason = "cancelled"
-        live = [j for j, lg in enumerate(logits) if lg is not None]
-        while live:
-            feed = []
-            for j in live:
-                event, tok = turns[j].pick(logits[j])
-                if event is not None:
-                    texts[j].append(event.text)
-                    tokens[j].append(event.token)
-                if tok is None:
-                    stats[j].decode_s = time.perf_counter() - t0
-                    leave(llm, [seqs[j]])
-                else:
-                    feed.append((j, tok))
-            if feed:
-                out = submit(llm, [seqs[j] for j, _ in feed], [[tok] for _, tok in feed])
-                for (j, _), lg in zip(feed, out):
-                    logits[j] = lg
-            live = [j for j, _ in feed]
+        logits, stats = [], []
+        for seq, p in zip(seqs, prompts):
+            runs.append(seq)
+            first = Stats()
+            lg = prefill(llm, seq, p, cancel, first)
+            runs += [seq.fork() for _ in range(n - 1)]  # before anyone decodes: each starts from the prompt
+            stats += [first] + [replace(first) for _ in range(n - 1)]
+            logits += [lg] + [None if lg is None else lg.copy() for _ in range(n - 1)]  # a sampler may write to its logits
+        return decode_many(llm, runs, logits, samplers, stats, max_tokens=max_tokens, stop=stop, cancel=cancel)
     finally:
-        leave(llm, seqs)
+        leave(llm, runs)
+
+
+def decode_many(llm, seqs: list[Sequence], logits: list, samplers: list[Sampler], stats: list[Stats], *,
+                max_tokens: int, stop: Seq[str] = (), cancel: threading.Event | None = None) -> list[Completion]:
+    """Decode prefilled sequences (logits[j]: after seqs[j]'s prompt, None if its prefill was
+    cancelled), the next tokens of all unfinished ones as one batch per step."""
+    t0 = time.perf_counter()
+    turns = [Turn(llm, s, sm, max_tokens, stop, cancel, st) for s, sm, st in zip(seqs, samplers, stats)]
+    texts: list[list[str]] = [[] for _ in seqs]
+    tokens: list[list[int]] = [[] for _ in seqs]
+    for j, lg in enumerate(logits):
+        if lg is None:
+            turns[j].reason = "cancelled"
+    live = [j for j, lg in enumerate(logits) if lg is not None]
+    while live:
+        feed = []
+        for j in live:
+            event, tok = turns[j].pick(logits[j])
+            if event is not None:
+                texts[j].append(event.text)
+                tokens[j].append(event.token)
+            if tok is None:
+                stats[j].decode_s = time.perf_counter() - t0
+                leave(llm, [seqs[j]])
+            else:
+                feed.append((j, tok))
+        if feed:
+            out = submit(llm, [seqs[j] for j, _ in feed], [[tok] for _, tok in feed])
+            for (j, _), lg in zip(feed, out):
+                logits[j] = lg
+        live = [j for j, _ in feed]
     results = []
     for j, turn in enumerate(turns):
         stats[j].measure_kv(seqs[j].cache)

@@ -17,7 +17,8 @@ Protocol. For a batch of positions a layer gives a `Plan`: plain integers (ring 
 shift, the exact-token range, the exact rows) that backends and kernels take as they are and
 never derive. The attention step (backends/attention.py) stores the batch where the plan says,
 `place`s it (its slots' positions), attends, writes the exact rows, then `commit`s (the write
-cursor). `trim`, `reset` and `state` / `load_state` (sessions) are the other state changes.
+cursor). `trim`, `reset`, `fork` (a copy to go on apart: parallel samples, beams) and `state` /
+`load_state` (sessions) are the other state changes.
 
 Several sequences in one batch (`BatchCache`): their tokens are stacked, so every matmul reads a
 weight once for all of them, and each layer of the batch is the sequences' own LayerKVs with the
@@ -284,6 +285,14 @@ class LayerKV:
         self.epoch += 1
         return True
 
+    def fork(self) -> "LayerKV":
+        """A ring of its own holding what this one holds (the filled slots, the exact rows, mu and
+        kmul copied), to go on apart from it; a backend's derived data is made again on first use."""
+        arrays = {name: _copy(getattr(self, name), self.fill if name in self.slot_arrays else None)
+                  for name in LAYER_ARRAYS}
+        return LayerKV(self.kind, n_sink=self.n_sink, window=self.window, n_written=self.n_written,
+                       recent=self.recent, first=self.first, exact_from=self.exact_from, **arrays)
+
     # -- save / load (edgekv.session) --------------------------------------------------
     @property
     def slot_arrays(self) -> tuple[str, ...]:
@@ -352,6 +361,13 @@ def lazy_zeros(shape: tuple, dtype) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, n), dtype).reshape(shape)  # the array keeps the mapping alive
 
 
+def _copy(a: np.ndarray, rows: int | None) -> np.ndarray:
+    """A new array like a with its first `rows` rows (all: None) copied, the rest lazy zeros."""
+    out = lazy_zeros(a.shape, a.dtype)
+    out[:rows] = a[:rows]
+    return out
+
+
 def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: int, window: int,
               recent: int | None = None) -> LayerKV:
     if kind not in KINDS:
@@ -394,6 +410,13 @@ class KVCache:
 
     def __getitem__(self, layer: int) -> LayerKV:
         return self.layers[layer]
+
+    def fork(self) -> "KVCache":
+        """A cache of its own holding what this one holds (LayerKV.fork: a copy of the filled
+        slots; a later step shares them as blocks with reference counts instead)."""
+        twin = object.__new__(KVCache)
+        twin.kind, twin.layers = self.kind, [lk.fork() for lk in self.layers]
+        return twin
 
     def reset(self) -> None:
         for lk in self.layers:

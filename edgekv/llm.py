@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -194,30 +195,66 @@ class LLM:
             raise EdgekvError("empty prompt: nothing to continue from")
         return ids
 
-    def generate_many(self, prompts: list, *, max_tokens: int = 256, stop: list[str] | tuple = (), cancel=None,
-                      add_bos: bool | None = None, **sampling) -> list["Completion"]:
-        """Run several prompts as one batch: each is prefilled alone, then the next tokens of all
-        unfinished ones are decoded in one batched forward pass per step (every weight read once
-        for the batch), a sequence dropping out as it finishes. Returns a generate.Completion per
-        prompt (text, tokens, finish_reason, stats): exactly what `generate` gives that prompt
-        alone, with the same keywords. `seed` may be one int (every prompt's sampler seeded with
-        it, as separate generate calls would be) or a list of one per prompt."""
+    def generate_many(self, prompts: list, *, n: int = 1, max_tokens: int = 256, stop: list[str] | tuple = (),
+                      cancel=None, add_bos: bool | None = None, **sampling) -> list["Completion"]:
+        """Run several prompts as one batch, n samples of each (OpenAI's `n`): each prompt is
+        prefilled once, alone, and its cache copied for each further sample (KVCache.fork);
+        then the next tokens of all unfinished samples are decoded in one batched forward pass
+        per step (every weight read once for the batch), a sample dropping out as it finishes.
+        Returns a generate.Completion (text, tokens, finish_reason, stats) per sample,
+        prompt-major (prompt j's sample i at j * n + i): exactly what `generate` gives that
+        prompt alone, with the same keywords and its seed. `seed` may be one int (every prompt
+        seeded with it, as separate generate calls would be) or a list of one per prompt; a
+        prompt's sample i is seeded with its seed + i (mod 2**128); None: fresh entropy each."""
         from .generate import Sequence, generate_many
         from .sampling import Sampler
 
         prompts = list(prompts)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise EdgekvError(f"n must be a whole number >= 1, got {n!r}")
         seed = sampling.pop("seed", None)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise EdgekvError(f"generate_many: {len(seeds)} seeds for {len(prompts)} prompts")
-        samplers = [Sampler(self.sampling(seed=s, **sampling), self.cfg.n_vocab) for s in seeds]
+        samplers = []
+        for s in seeds:
+            params = self.sampling(seed=s, **sampling)  # the seed checked before it is offset
+            samplers += [Sampler(params if s is None else replace(params, seed=(s + i) % 2**128), self.cfg.n_vocab)
+                         for i in range(n)]
         ids = [self._prompt_ids(p, add_bos) for p in prompts]
         if max_tokens < 0:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
         if not ids:
             return []
-        return generate_many(self, [Sequence(self) for _ in ids], ids, samplers, max_tokens=max_tokens, stop=stop,
-                             cancel=cancel)
+        return generate_many(self, [Sequence(self) for _ in ids], ids, samplers, n=n, max_tokens=max_tokens,
+                             stop=stop, cancel=cancel)
+
+    def sample(self, prompt: str | bytes | list[int], n: int = 1, **kw) -> list["Completion"]:
+        """n completions of one prompt, decoded as one batch after one prefill: `generate_many([prompt], n=n, **kw)`
+        (sample i is exactly `generate(prompt, seed=seed + i)`)."""
+        return self.generate_many([prompt], n=n, **kw)
+
+    def beam_search(self, prompt: str | bytes | list[int], num_beams: int = 4, *, max_tokens: int = 64,
+                    length_penalty: float = 1.0, early_stopping: bool = False, cancel=None,
+                    add_bos: bool | None = None) -> list["Hypothesis"]:
+        """Beam search over the model's log-probabilities, as Hugging Face transformers does it
+        (edgekv.beam): the num_beams best hypotheses, best first, each a Completion with its
+        `score` (sum of log-probabilities / generated tokens ** length_penalty; EOS counts as a
+        token and ends a hypothesis, "stop"). early_stopping: end as soon as num_beams are
+        finished (False: once no running beam can beat them). The beams share the prompt's
+        prefill and decode as one batch; a beam that splits copies its cache (KVCache.fork)."""
+        from .beam import beam_search
+        from .generate import Sequence
+
+        if not isinstance(num_beams, int) or num_beams < 1:
+            raise EdgekvError(f"num_beams must be a whole number >= 1, got {num_beams!r}")
+        if max_tokens < 0:
+            raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not isinstance(length_penalty, (int, float)) or not np.isfinite(length_penalty):
+            raise EdgekvError(f"length_penalty must be a finite number, got {length_penalty!r}")
+        ids = self._prompt_ids(prompt, add_bos)
+        return beam_search(self, Sequence(self), ids, num_beams=num_beams, max_tokens=max_tokens,
+                           length_penalty=float(length_penalty), early_stopping=bool(early_stopping), cancel=cancel)
 
     def chat_ids(self, rendered: str) -> list[int]:
         """Token ids of a rendered chat prompt: special tokens parsed, and BOS added only when

@@ -6,7 +6,9 @@ compiling (bench/RESULTS.md), which used to be a silent pause before the first r
 smaller one on a later turn (paths a first turn does not take). `prepare()` pays it up front
 when the disk cache lacks a kernel: the GROUPS below compile in worker processes side by side
 (a child writes the cache, this process reads it), then run here to load them, so that no
-turn compiles. With a warm cache it returns at once and prints nothing.
+turn compiles. With a warm cache it prints nothing and only runs the groups here, once per
+process: numba loads a cached kernel's machine code on its first call (~1 s for all of them,
+bench/RESULTS.md), which a new process's first prompt would otherwise pay.
 
 The kernels' signatures do not depend on the model (quant types and cache kinds are run-time
 arguments), so the groups run on tiny synthetic weights and `edgekv warmup` needs no model;
@@ -275,18 +277,28 @@ def _compile_in_workers(bar: _Bar, n_workers: int) -> None:
             proc.wait()
 
 
+_loaded = False  # this process has run the groups: every kernel is loaded
+
+
 def prepare(llm=None, *, progress: bool = True, workers: int | None = None, force: bool = False) -> int:
     """Compile every CPU kernel a chat calls unless numba's disk cache holds them all (or
-    force), so that no turn pauses to compile; with progress, a bar on stderr says so. llm:
-    the chat's model, only to skip a GPU one (the CUDA backend compiles its own kernels).
-    workers: processes compiling side by side (default: one per CPU, at most one per group;
-    1 compiles here). Returns the kernels compiled in this process (0 when the cache was warm
-    or the workers filled it)."""
+    force), and load them into this process (once), so that no turn pauses to compile or to
+    load one; with progress, a bar on stderr says when it compiles. llm: the chat's model, only
+    to skip a GPU one (the CUDA backend compiles its own kernels). workers: processes compiling
+    side by side (default: one per CPU, at most one per group; 1 compiles here). Returns the
+    kernels compiled in this process (0 when the cache was warm or the workers filled it)."""
+    global _loaded
     from .backends.cpu import CPUBackend
 
-    if llm is not None and not isinstance(llm.backend, CPUBackend) or not (force or cold()):
+    if llm is not None and not isinstance(llm.backend, CPUBackend):
         return 0
     be = llm.backend if llm is not None else CPUBackend(threads=None)
+    if not (force or cold()):
+        if not _loaded:  # numba reads each kernel's machine code on its first call: now, not in the first prompt
+            for g in GROUPS:
+                run_group(g[0], be)
+            _loaded = True
+        return 0
     n_workers = _workers() if workers is None else workers
     bar = _Bar(progress)
     if n_workers > 1:
@@ -298,6 +310,7 @@ def prepare(llm=None, *, progress: bool = True, workers: int | None = None, forc
             if n_workers <= 1:
                 bar.show(sum(x[2] for x in GROUPS[:i]) / total, g[1])
             run_group(g[0], be)  # after the workers: loads from the disk cache
+    _loaded = True
     bar.close("ready (cached)")
     return len(compiled)
 

@@ -70,11 +70,32 @@ for mod in ("qmatmul", "igemm", "ops", "kvquant", "block"):
 def test_prepare_on_a_warm_cache_returns_at_once():
     from edgekv import warmup
 
-    warmup.prepare(progress=False)  # whatever this cache lacks
+    warmup.prepare(progress=False)  # whatever this cache lacks, and every kernel loaded
     t = time.perf_counter()
     assert not warmup.cold()
     assert warmup.prepare(progress=False) == 0
-    assert time.perf_counter() - t < 2  # a look at the cache index files, nothing run
+    assert time.perf_counter() - t < 2  # a look at the cache index files, nothing run again
+
+
+def test_prepare_on_a_warm_cache_loads_every_kernel_in_a_new_process():
+    """numba reads a cached kernel's machine code on its first call: prepare makes that call,
+    so a new process's first prompt does not (its time to first token, bench/prompt_cache.py)."""
+    from edgekv import warmup
+
+    warmup.prepare(progress=False)  # the disk cache warm
+    code = """
+import importlib
+from edgekv import warmup
+assert not warmup.cold()
+print(warmup.prepare(progress=False))
+for mod, name in warmup.KERNELS:
+    print(mod + "." + name, len(getattr(importlib.import_module("edgekv.kernels_cpu." + mod), name).signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    compiled, *loaded = out.stdout.splitlines()
+    assert compiled == "0" and len(loaded) == len(warmup.KERNELS)
+    assert [line for line in loaded if line.endswith(" 0")] == []  # none left to load on first use
 
 
 def test_warmup_command():
