@@ -407,13 +407,9 @@ def cmd_warmup(args) -> int:
 
 def exposed(host: str, api_key: str | None) -> str | None:
     """The warning for a server other machines can reach without a key (None: no warning)."""
-    import ipaddress
+    from .server import loopback
 
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        loopback = False
-    if loopback or api_key is not None:
+    if loopback(host) or api_key is not None:  # a host name other than localhost may resolve to anything
         return None
     return (f"--host {host} lets other machines use this server, and no --api-key is set (or EDGEKV_API_KEY): "
             "anyone who can reach it can run the model")

@@ -318,12 +318,23 @@ class Choice:
     error: Exception | None = None
 
 
+def loopback(host: str) -> bool:
+    """localhost, 127.x.x.x or ::1."""
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Service:
     """The model behind the HTTP routes: admission, the choices' threads, counters for /health."""
 
     def __init__(self, llm, *, model_id: str, aliases=(), parallel: int = 4, api_key: str | None = None,
-                 log=None):
+                 log=None, local_only: bool = False):
         self.llm, self.model_id, self.parallel, self.api_key = llm, model_id, parallel, api_key
+        self.local_only = local_only  # listening on loopback: refuse other Host names
         self.names = {model_id, *aliases}
         self.slots = Slots(parallel)
         self.log = log or (lambda record: None)
@@ -342,6 +353,18 @@ class Service:
         if not isinstance(name, str) or name not in self.names:
             raise RequestError(404, f"The model {name!r} does not exist; this server has {self.model_id!r} "
                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    def check_host(self, host: str | None) -> None:
+        """On a loopback address, only requests for a loopback name: a site whose name a browser
+        resolves to 127.0.0.1 (DNS rebinding) must not reach the model."""
+        if not self.local_only:
+            return
+        host = host or ""
+        name = host[1:].partition("]")[0] if host.startswith("[") else host.partition(":")[0] if host.count(":") == 1 \
+            else host  # without the port
+        if not loopback(name):
+            raise RequestError(403, f"Host {host!r} is not this machine's: this server answers localhost only",
+                               code="forbidden_host")
 
     def authorize(self, header: str | None) -> None:
         if self.api_key is None:
@@ -645,6 +668,12 @@ async def _disconnected(receive) -> None:
 # --- the app ----------------------------------------------------------------------------------
 
 async def _read_json(request) -> dict:
+    # A web page can make a browser send text/plain anywhere, but application/json to another site
+    # only after asking it (CORS preflight, which this server never grants): pages cannot use it.
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json":
+        raise RequestError(415, f"Content-Type must be application/json, got {kind or 'none'!r}",
+                           code="unsupported_media_type")
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
         raise RequestError(413, f"the request body is over {MAX_BODY} bytes", code="request_too_large")
@@ -676,6 +705,7 @@ def make_app(service: Service):
     def endpoint(handler, *, auth: bool = True):
         async def run(request):
             try:
+                service.check_host(request.headers.get("host"))
                 if auth:
                     service.authorize(request.headers.get("authorization"))
                 return await handler(request)
@@ -808,7 +838,7 @@ def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, parallel: int = 4, 
     model_id = model_id or llm.path.stem
     console = Console(model_id, log_format, out)
     service = Service(llm, model_id=model_id, aliases={llm.path.name, *aliases}, parallel=parallel, api_key=api_key,
-                      log=console.line)
+                      log=console.line, local_only=loopback(host))
     console.service = service
     sock = listen(host, port)
     bound = sock.getsockname()

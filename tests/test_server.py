@@ -32,7 +32,8 @@ def ref():
 def server():
     llm = LLM(model_path("smollm2"), n_ctx=CTX, kv="f16")
     records = []
-    svc = Service(llm, model_id="smollm2", aliases={llm.path.name}, parallel=8, api_key=KEY, log=records.append)
+    svc = Service(llm, model_id="smollm2", aliases={llm.path.name}, parallel=8, api_key=KEY, log=records.append,
+                  local_only=True)
     sock = listen("127.0.0.1", 0)
     srv = uvicorn_server(svc)
     thread = threading.Thread(target=srv.run, kwargs=dict(sockets=[sock]), daemon=True)
@@ -282,6 +283,20 @@ def test_malformed_bodies_get_openai_errors(server):
     assert r.status_code == 200, r.text  # unknown fields are ignored
     h = _idle(server)
     assert h["active_sequences"] == 0 and h["slots_idle"] == 8
+
+
+def test_web_pages_cannot_use_it(server):
+    h = {"authorization": f"Bearer {KEY}"}
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1})
+    # what a page can send anywhere without asking (a "simple" cross-site request): refused
+    r = httpx.post(server.url + "/v1/completions", content=body, headers=dict(h, **{"content-type": "text/plain"}))
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    # a site's name that resolves to 127.0.0.1 (DNS rebinding): refused; this machine's names are not
+    for host, status in (("evil.example", 403), ("evil.example:80", 403), ("localhost:1234", 200),
+                         ("127.0.0.1", 200), ("[::1]:8080", 200)):
+        r = httpx.post(server.url + "/v1/completions", content=body,
+                       headers=dict(h, **{"content-type": "application/json", "host": host}))
+        assert r.status_code == status, (host, r.text)
 
 
 def test_api_key(server):
