@@ -15,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from conftest import model_path  # noqa: E402
+from conftest import model_path, serve_process  # noqa: E402
 from edgekv import LLM  # noqa: E402
 from edgekv.server import Service, listen, uvicorn_server  # noqa: E402
 
@@ -312,20 +312,10 @@ def test_api_key(server):
 
 # --- the command ------------------------------------------------------------------------------
 
-def _start(*extra, env=None):
-    p = subprocess.Popen([sys.executable, "-m", "edgekv.cli", "serve", str(model_path("smollm2")), "--port", "0",
-                          "--ctx", "256", "--parallel", "2", "-q", *extra], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
-    line = p.stdout.readline()
-    assert line, p.stderr.read()
-    return p, line
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_the_command_shuts_down_cleanly_with_requests_in_flight(sig):
-    p, line = _start("--log-format", "json")
+    p, start = serve_process("--parallel", "2")
     try:
-        start = json.loads(line)
         assert start["event"] == "listening" and start["url"].startswith("http://127.0.0.1:")
         c = openai.OpenAI(base_url=start["url"], api_key="none", max_retries=0, timeout=60)
         got, errors, started = [[], []], [None, None], [threading.Event(), threading.Event()]
