@@ -291,8 +291,9 @@ class Slots:
             if fut.done() and not fut.cancelled():  # granted as it was cancelled: give them back
                 self.release(k)
             else:
-                self.waiting.remove(entry)
-                self._grant()
+                if entry in self.waiting:
+                    self.waiting.remove(entry)
+                self._grant()  # the ones behind it may fit now
             raise
 
     def release(self, k: int) -> None:
@@ -300,10 +301,11 @@ class Slots:
         self._grant()
 
     def _grant(self) -> None:
-        while self.waiting and self.waiting[0][0] <= self.free:
+        while self.waiting and (self.waiting[0][1].done() or self.waiting[0][0] <= self.free):
             k, fut = self.waiting.popleft()
-            self.free -= k
-            fut.set_result(None)
+            if not fut.done():  # done: cancelled, its task not yet told
+                self.free -= k
+                fut.set_result(None)
 
 
 @dataclass
@@ -521,15 +523,14 @@ class Generation:
                 svc.finish(job)
         finally:
             gone.cancel()
-            st = [c.stats for c in self.choices if c.stats is not None]
             outcome = "shutdown" if job.shutdown else "cancelled" if self.left else "ok" if status < 400 else "failed"
             svc.counts[f"requests_{outcome}"] += 1
-            gen = sum(s.generated_tokens for s in st)
+            u = self._usage()
+            decode_s = max((c.stats.decode_s for c in self.choices if c.stats is not None), default=0.0)
             svc.log(dict(self.info, status=status, seconds=round(time.perf_counter() - t0, 3), n=job.width,
-                         prompt_tokens=sum(s.prompt_tokens for s in st[: 1]),
-                         cached_tokens=sum(s.cached_tokens for s in st[: 1]), completion_tokens=gen,
-                         decode_tokens_per_s=round(gen / max(max((s.decode_s for s in st), default=0), 1e-9), 1)
-                         if gen else 0.0, outcome=outcome))
+                         prompt_tokens=u["prompt_tokens"], cached_tokens=u["prompt_tokens_details"]["cached_tokens"],
+                         completion_tokens=u["completion_tokens"], outcome=outcome,
+                         decode_tokens_per_s=round(u["completion_tokens"] / decode_s, 1) if decode_s else 0.0))
 
     def _gone(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and not self.answered:

@@ -3,6 +3,7 @@ free port, in a thread of this process); each answer is checked against the libr
 run of the same request (a reference LLM without the prompt cache, so every reference is cold).
 The command itself (start, SIGINT / SIGTERM with requests in flight, the missing extra) runs
 as a subprocess."""
+import asyncio
 import json
 import signal
 import subprocess
@@ -213,6 +214,77 @@ def test_a_client_that_disconnects_frees_its_sequence(server, client):
     rec = server.records[-1]
     assert rec["outcome"] == "cancelled" and rec["completion_tokens"] < 400, rec
     assert server.counts["requests_cancelled"] == before + 1
+
+
+def test_requests_past_parallel_wait_their_turn(server, client, ref):
+    big = client.completions.create(model="smollm2", prompt="List the days of the week.", max_tokens=300, n=8,
+                                    temperature=0, stream=True, extra_body={"logit_bias": {"2": -100}})
+    it = iter(big)
+    next(it)
+    assert httpx.get(server.url + "/health").json()["slots_idle"] == 0
+    got = []
+    small = threading.Thread(target=lambda: got.append(client.completions.create(
+        model="smollm2", prompt="Two plus two is", max_tokens=4, temperature=0).choices[0].text))
+    small.start()
+    end = time.time() + 30
+    while httpx.get(server.url + "/health").json()["waiting_requests"] != 1:
+        assert time.time() < end and small.is_alive()
+        time.sleep(0.01)
+    assert not got  # it waits while all 8 sequences are taken
+    big.close()  # they are freed; the waiting request runs
+    small.join(60)
+    assert got == [_solo(ref, "Two plus two is", max_tokens=4, temperature=0)[0]]
+    assert _idle(server)["slots_idle"] == 8
+
+
+def test_slots_are_first_come_first_served():
+    from edgekv.server import Slots
+
+    async def main():
+        s, order = Slots(2), []
+        await s.acquire(1)
+
+        async def want(k, tag):
+            await s.acquire(k)
+            order.append(tag)
+
+        a = asyncio.ensure_future(want(2, "a"))
+        b = asyncio.ensure_future(want(1, "b"))  # one is free, but a came first
+        await asyncio.sleep(0.01)
+        assert order == [] and len(s.waiting) == 2
+        a.cancel()  # a's client left: b goes next
+        await asyncio.sleep(0.01)
+        assert order == ["b"] and s.free == 0 and not s.waiting
+        c = asyncio.ensure_future(want(2, "c"))
+        await asyncio.sleep(0.01)
+        s.release(1)
+        await asyncio.sleep(0.01)
+        assert order == ["b"]  # c needs two
+        s.release(1)
+        await asyncio.sleep(0.01)
+        assert order == ["b", "c"] and s.free == 0
+        await c
+
+    asyncio.run(main())
+
+
+def test_console_lines():
+    import io
+
+    from edgekv.server import Console
+
+    out = io.StringIO()
+    text = Console("m", "text", out)
+    rec = dict(method="POST", path="/v1/completions", status=200, seconds=0.5, n=2, prompt_tokens=7, cached_tokens=3,
+               completion_tokens=10, decode_tokens_per_s=20.0, outcome="cancelled")
+    text.line(rec)
+    text.line(dict(method="POST", path="/v1/completions", status=400, error="n must be an integer >= 1, got 0"))
+    assert out.getvalue().splitlines() == [
+        "POST /v1/completions 200 0.50s n=2 prompt 7 (cached 3) + 10 tokens, 20.0 tok/s [cancelled]",
+        "POST /v1/completions 400: n must be an integer >= 1, got 0"]
+    out = io.StringIO()
+    Console("m", "json", out).line(rec)
+    assert {k: v for k, v in json.loads(out.getvalue()).items() if k != "time"} == rec
 
 
 def _status(exc_info) -> tuple[int, dict]:
