@@ -189,8 +189,9 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompts(body: dict, llm) -> list[list[int]]:
+def _prompts(body: dict, service: "Service") -> list[list[int]]:
     """/v1/completions' prompt: a string, a list of token ids, or a list of either."""
+    llm = service.llm
     p = body.get("prompt")
     if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
         p = [p]
@@ -199,6 +200,7 @@ def _prompts(body: dict, llm) -> list[list[int]]:
     out = []
     for one in p:
         if isinstance(one, str):
+            service.check_length(len(one.encode("utf-8", "surrogatepass")), "prompt")
             ids = llm.tokenize(one)
         elif isinstance(one, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in one):
             if any(not 0 <= t < llm.cfg.n_vocab for t in one):
@@ -220,6 +222,7 @@ def parse(service: "Service", kind: str, body: dict) -> Job:
         _unsupported(body, ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
                             "web_search_options"))
         msgs = _messages(body)
+        service.check_length(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in msgs), "messages")
         try:
             prompts = [llm.chat_prompt(msgs)]
         except EdgekvError as e:  # the template refused these messages (e.g. roles out of order)
@@ -233,7 +236,7 @@ def parse(service: "Service", kind: str, body: dict) -> Job:
         max_tokens = _int(body, "max_tokens", None, 0) if max_tokens is None else max_tokens
     else:
         _unsupported(body, ("suffix", "echo", "best_of"))
-        prompts = [(ids, 0) for ids in _prompts(body, llm)]
+        prompts = [(ids, 0) for ids in _prompts(body, service)]
         logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         max_tokens = _int(body, "max_tokens", 16, 0)  # OpenAI's default for completions
     n = _int(body, "n", 1, 1)
@@ -337,6 +340,7 @@ class Service:
                  log=None, local_only: bool = False):
         self.llm, self.model_id, self.parallel, self.api_key = llm, model_id, parallel, api_key
         self.local_only = local_only  # listening on loopback: refuse other Host names
+        self.max_token_bytes: int | None = None  # the vocabulary's longest token, once needed
         self.names = {model_id, *aliases}
         self.slots = Slots(parallel)
         self.log = log or (lambda record: None)
@@ -367,6 +371,16 @@ class Service:
         if not loopback(name):
             raise RequestError(403, f"Host {host!r} is not this machine's: this server answers localhost only",
                                code="forbidden_host")
+
+    def check_length(self, nbytes: int, param: str) -> None:
+        """Refuse, before tokenizing it, text that cannot fit the context (tokenizing a body's
+        megabytes would cost seconds): no token stands for more than max_token_bytes."""
+        if self.max_token_bytes is None:
+            tok = self.llm.tokenizer
+            self.max_token_bytes = max(len(tok.token_bytes(i)) for i in range(tok.n_vocab))
+        if nbytes > 2 * self.llm.n_ctx * max(self.max_token_bytes, 1):
+            raise _bad(f"this model's context is {self.llm.n_ctx} tokens; {nbytes} bytes of text cannot fit it",
+                       param, "context_length_exceeded")
 
     def authorize(self, header: str | None) -> None:
         if self.api_key is None:

@@ -328,6 +328,14 @@ def test_prompt_longer_than_the_context_is_refused(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt=long, max_tokens=1)
     assert e.value.body["code"] == "context_length_exceeded"
+    t0 = time.time()
+    for call in (lambda: client.completions.create(model="smollm2", prompt="ab " * 2**19, max_tokens=1),
+                 lambda: client.chat.completions.create(model="smollm2", max_tokens=1,
+                                                        messages=[{"role": "user", "content": "ab " * 2**19}])):
+        with pytest.raises(openai.BadRequestError) as e:  # 1.5 MB of text: refused before it is tokenized
+            call()
+        assert e.value.body["code"] == "context_length_exceeded"
+    assert time.time() - t0 < 5
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=1, echo=True)
     assert e.value.body["code"] == "unsupported_parameter"
