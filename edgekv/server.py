@@ -859,6 +859,7 @@ def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, parallel: int = 4, 
     bound = sock.getsockname()
     where = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}/v1"
     server = uvicorn_server(service)
+    console.name = f"{model_id} at {where}"
     console.line(dict(event="listening", url=where, model=model_id, parallel=parallel, n_ctx=llm.n_ctx,
                       kv=llm.kv_type, message=f"edgekv serve: {model_id} at {where} (parallel {parallel}, ctx "
                       f"{llm.n_ctx}, kv {llm.kv_type}); Ctrl-C stops"))

@@ -279,12 +279,27 @@ def test_console_lines():
                completion_tokens=10, decode_tokens_per_s=20.0, outcome="cancelled")
     text.line(rec)
     text.line(dict(method="POST", path="/v1/completions", status=400, error="n must be an integer >= 1, got 0"))
+    line = "POST /v1/completions 200 0.50s n=2 prompt 7 (cached 3) + 10 tokens, 20.0 tok/s [cancelled]"
     assert out.getvalue().splitlines() == [
-        "POST /v1/completions 200 0.50s n=2 prompt 7 (cached 3) + 10 tokens, 20.0 tok/s [cancelled]",
+        line,
         "POST /v1/completions 400: n must be an integer >= 1, got 0"]
     out = io.StringIO()
     Console("m", "json", out).line(rec)
     assert {k: v for k, v in json.loads(out.getvalue()).items() if k != "time"} == rec
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    con = Console("m at http://127.0.0.1:1/v1", "text", out)
+    con.service = Service(None, model_id="m", parallel=4)
+    con.service.counts.update(requests_ok=3, requests_refused=1, tokens_generated=50)
+    con.tick()
+    status = "[m at http://127.0.0.1:1/v1] requests 4 done, 0 running, 0 waiting | sequences 0/4 | 0.0 tok/s"
+    assert out.getvalue() == "\r\033[K" + status
+    con.line(rec)  # a request's line goes above the status line, which is drawn again
+    assert out.getvalue().endswith("\r\033[K" + line + "\n" + status)
 
 
 def _status(exc_info) -> tuple[int, dict]:
