@@ -455,6 +455,21 @@ def test_the_command_without_the_server_extra_says_what_to_install():
                                              'installed): pip install "edgekv[server]"']
 
 
+def test_an_address_that_cannot_be_had_is_one_error():
+    import socket
+
+    from edgekv import EdgekvError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(EdgekvError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            listen("127.0.0.1", port)
+    with pytest.raises(EdgekvError, match="cannot listen on 256.1.1.1:80"):
+        listen("256.1.1.1", 80)
+
+
 def test_another_host_without_a_key_warns(capsys):
     from edgekv.cli import exposed
 
