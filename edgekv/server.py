@@ -626,16 +626,15 @@ class Generation:
                 continue
             if not x.text and x.logprob is None and x.finish_reason is None:
                 continue  # a token whose text is held back: nothing to say yet
-            lp = _logprobs(job, llm, [c.tokens[-1]] if x.logprob is not None else [], offsets[c.index])
-            if lp is not None and job.kind == "text" and lp["tokens"]:
+            lp = _logprobs(job, llm, [c.tokens[-1]], offsets[c.index]) if x.logprob is not None else None
+            if lp is not None and job.kind == "text":
                 offsets[c.index] += len(lp["tokens"][0])
             reason = x.finish_reason if x.finish_reason != "cancelled" else None
             if job.kind == "chat":
-                await chunk([dict(index=c.index, delta={"content": x.text} if x.text else {},
-                                  logprobs=lp if x.logprob is not None else None, finish_reason=reason)])
-            else:
-                await chunk([dict(index=c.index, text=x.text, logprobs=lp if x.logprob is not None else None,
+                await chunk([dict(index=c.index, delta={"content": x.text} if x.text else {}, logprobs=lp,
                                   finish_reason=reason)])
+            else:
+                await chunk([dict(index=c.index, text=x.text, logprobs=lp, finish_reason=reason)])
         err = self._failure()
         if err is not None:
             await self._sse(send, err.body())

@@ -140,6 +140,11 @@ def test_logprobs_are_the_librarys(client, ref):
         assert abs(got.logprob - e.logprob) < 1e-4
         assert [bytes(t.bytes) for t in got.top_logprobs] == [ref.tokenizer.token_bytes(t) for t, _ in e.top_logprobs]
     assert b"".join(bytes(t.bytes) for t in content).decode() == r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.bytes, t.logprob, len(t.top_logprobs)) for t in streamed] == \
+        [(t.bytes, t.logprob, len(t.top_logprobs)) for t in content]
     prompt = "The capital of France is"
     _, _, events = _solo(ref, prompt, max_tokens=4, temperature=0, logprobs=2)
     r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
@@ -147,6 +152,11 @@ def test_logprobs_are_the_librarys(client, ref):
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.top_logprobs[0]) == 2
     assert all(abs(a - e.logprob) < 1e-4 for a, e in zip(lp.token_logprobs, events))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                            stream=True))
+    parts = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
 
 def test_stop_strings(client, ref):
