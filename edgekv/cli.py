@@ -464,6 +464,42 @@ def cmd_warmup(args) -> int:
     return 0
 
 
+def exposed(host: str, api_key: str | None) -> str | None:
+    """The warning for a server other machines can reach without a key (None: no warning)."""
+    from .server import loopback
+
+    if loopback(host) or api_key is not None:  # a host name other than localhost may resolve to anything
+        return None
+    return (f"--host {host} lets other machines use this server, and no --api-key is set (or EDGEKV_API_KEY): "
+            "anyone who can reach it can run the model")
+
+
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    from .hub import DEFAULT_MODEL
+    from .llm import load
+    from .warmup import prepare
+
+    try:  # the optional extra, before the model loads: a missing one fails at once
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise EdgekvError(f"edgekv serve needs the server extra ({e.name} is not installed): "
+                          'pip install "edgekv[server]"') from None
+    from .server import serve
+
+    api_key = args.api_key or os.environ.get("EDGEKV_API_KEY") or None
+    if exposed(args.host, api_key):
+        warnings.warn(exposed(args.host, api_key))
+    model = args.model or DEFAULT_MODEL
+    llm = load(model, progress=not args.quiet, **_load_args(args))
+    prepare(llm, progress=not args.quiet)  # compile before the first request, not in it
+    serve(llm, host=args.host, port=args.port, parallel=args.parallel, api_key=api_key,
+          aliases={model, Path(model).name, Path(model).stem}, log_format=args.log_format)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import format_table, plot, plot_backend, run_bench
     from .hub import resolve
@@ -685,6 +721,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = verb("warmup", cmd_warmup, "compile the CPU kernels now (a first chat otherwise starts with it)")
     s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="also run this model once (default: none)")
     s.add_argument("--kv", type=kv_kind, default="int8", help="KV cache type of that run")
+    s.add_argument("-q", "--quiet", **quiet)
+
+    s = verb("serve", cmd_serve, "an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="known name or .gguf path (default: smollm2-135m-instruct)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (another than localhost wants --api-key)")
+    s.add_argument("--port", type=int_range(0, 65535), default=8080, help="port (0: any free one, printed at start)")
+    s.add_argument("--parallel", type=positive_int, default=4, metavar="N",
+                   help="sequences generated at once, batched (a request with n choices takes n); more requests wait")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require Authorization: Bearer KEY on /v1 (default: $EDGEKV_API_KEY, else none)")
+    s.add_argument("--log-format", default="text", choices=["text", "json"], help="one line per request, as text or JSON")
+    _add_load_args(s)
     s.add_argument("-q", "--quiet", **quiet)
 
     s = verb("bench", cmd_bench, "speed tests like llama-bench, optionally beside llama.cpp")

@@ -26,6 +26,8 @@ class Event:
     text: str
     token: int | None
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "cancelled"
+    logprob: float | None = None  # the token's log-probability (generate's logprobs=; Sampler.logprobs)
+    top_logprobs: list[tuple[int, float]] | None = None  # the likeliest (token, logprob) pairs at this step
 
 
 @dataclass
@@ -305,8 +307,9 @@ class Turn:
     `generate_many` drives several and feeds their tokens as one batch."""
 
     def __init__(self, llm, seq: Sequence, sampler: Sampler, max_tokens: int, stop: Seq[str],
-                 cancel: threading.Event | None, stats: Stats):
+                 cancel: threading.Event | None, stats: Stats, logprobs: int | None = None):
         self.seq, self.sampler, self.left, self.cancel, self.stats = seq, sampler, max_tokens, cancel, stats
+        self.logprobs = logprobs  # None: no logprobs on the events; k: each token's and k alternatives'
         self.detok = llm.tokenizer.stream()
         self.stopper = StopMatcher(stop)
         self.eog = llm.tokenizer.eot_ids
@@ -326,10 +329,13 @@ class Turn:
         text, self.hit = self.stopper.push(self.detok.push(tok))
         self.stats.generated_tokens += 1
         self.left -= 1
+        event = Event(text, tok)
+        if self.logprobs is not None:
+            event.logprob, event.top_logprobs = self.sampler.logprobs(logits, tok, self.logprobs)
         if self.hit:
             self.reason = "stop"
-            return Event(text, tok), None
-        return Event(text, tok), tok
+            return event, None
+        return event, tok
 
     def last(self) -> Event:
         """The final event: what was held back (an incomplete stop string, trailing bytes), and why it ended."""
@@ -375,14 +381,14 @@ def prefill(llm, seq: Sequence, prompt_ids: Seq[int], cancel: threading.Event | 
 
 def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_tokens: int,
              stop: Seq[str] = (), cancel: threading.Event | None = None, stats: Stats | None = None,
-             keep: int = 0, remember: bool = False) -> Iterator[Event]:
+             keep: int = 0, remember: bool = False, logprobs: int | None = None) -> Iterator[Event]:
     """Prefill prompt_ids (reusing whatever prefix seq already holds, or the longest one in
     llm.prompt_cache), then sample up to max_tokens, yielding an Event per token; the last
     event carries finish_reason. keep: prefill prompt_ids[:keep] as a batch of its own and keep
     it in the prompt cache, on disk too, and take nothing else from there (a chat's system
     prompt: a cached one then gives exactly what a cold run gives, edgekv.prompt_cache);
     remember: keep the cache after the prompt (with its logits: the same prompt again needs no
-    prefill) and as the call leaves it, in the prompt cache's memory."""
+    prefill) and as the call leaves it, in the prompt cache's memory. logprobs: as Turn's."""
     stats = stats if stats is not None else Stats()
     try:
         logits = prefill(llm, seq, prompt_ids, cancel, stats, keep=keep, remember=remember)
@@ -390,7 +396,7 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
             yield Event("", None, "cancelled")
             return
         t0 = time.perf_counter()
-        turn = Turn(llm, seq, sampler, max_tokens, stop, cancel, stats)
+        turn = Turn(llm, seq, sampler, max_tokens, stop, cancel, stats, logprobs)
         try:
             while True:
                 event, tok = turn.pick(logits)
@@ -422,6 +428,14 @@ def leave(llm, seqs: list[Sequence]) -> None:
     batcher = getattr(llm, "batcher", None)
     if batcher is not None:
         batcher.leave(seqs)
+
+
+def usage(prompts: list[Stats], choices: list[Stats]) -> dict:
+    """OpenAI's `usage` object: the prompt (and cached) tokens of each prompt once, one Stats per
+    prompt, and the generated tokens of every choice."""
+    p, c = sum(s.prompt_tokens for s in prompts), sum(s.generated_tokens for s in choices)
+    return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                prompt_tokens_details=dict(cached_tokens=sum(s.cached_tokens for s in prompts)))
 
 
 @dataclass

@@ -148,7 +148,8 @@ class LLM:
         return params
 
     def generate(self, prompt: str | bytes | list[int], *, max_tokens: int = 256, stop: list[str] | tuple = (),
-                 cancel=None, add_bos: bool | None = None, stats=None, keep: int = 0, **sampling) -> Iterator[Event]:
+                 cancel=None, add_bos: bool | None = None, stats=None, keep: int = 0, logprobs: int | None = None,
+                 **sampling) -> Iterator[Event]:
         """Stream a continuation of `prompt` (text, or token ids) as Events; the last event has
         `finish_reason` ("stop", "length" or "cancelled"). Sampling keywords: temperature,
         top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
@@ -167,7 +168,10 @@ class LLM:
         Prompt cache (on unless `prompt_cache=False`): a prompt that starts with tokens a call
         of this process computed loads them (`stats.cached_tokens`); `keep`: prefill the first
         `keep` ids as a batch of their own and keep them on disk too (what `chat` does with a
-        long system prompt; see edgekv.prompt_cache)."""
+        long system prompt; see edgekv.prompt_cache).
+        logprobs: None, or k: each event carries its token's log-probability and the k likeliest
+        tokens' (`event.logprob`, `event.top_logprobs`): the log-softmax of the model's raw
+        logits, before bias, penalties, temperature and filters (Sampler.logprobs)."""
         from .generate import Sequence, Stats, generate
         from .sampling import Sampler
 
@@ -177,9 +181,11 @@ class LLM:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
         if not 0 <= keep < len(ids):
             raise EdgekvError(f"keep must be in [0, {len(ids)}) for this prompt, got {keep}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise EdgekvError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
         self.stats = stats = stats if stats is not None else Stats()
         yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
-                            stop=stop, cancel=cancel, stats=stats, keep=keep, remember=not keep)
+                            stop=stop, cancel=cancel, stats=stats, keep=keep, remember=not keep, logprobs=logprobs)
 
     def _prompt_ids(self, prompt, add_bos: bool | None) -> list[int]:
         if isinstance(prompt, (bytes, bytearray)):  # bytes are text, not token ids
@@ -271,13 +277,10 @@ class LLM:
         import time as _time
         import uuid
 
-        from .prompt_cache import system_prefix
+        from .generate import Stats, usage
 
-        ids = self.chat_ids(self.template.render(messages, add_generation_prompt=True, tools=tools,
-                                                 **(template_vars or {})))
-        keep = system_prefix(self, messages, ids, tools=tools, template_vars=template_vars)
+        ids, keep = self.chat_prompt(messages, tools=tools, template_vars=template_vars)
         head = dict(id="chatcmpl-" + uuid.uuid4().hex[:24], created=int(_time.time()), model=self.path.name)
-        from .generate import Stats
 
         st = Stats()  # ours: llm.stats may be another thread's call by the time we read it
         events = self.generate(ids, max_tokens=max_tokens, stats=st, keep=keep, **kw)
@@ -296,9 +299,17 @@ class LLM:
             reason = e.finish_reason or reason
         return dict(head, object="chat.completion",
                     choices=[dict(index=0, message={"role": "assistant", "content": "".join(parts)}, finish_reason=reason)],
-                    usage=dict(prompt_tokens=st.prompt_tokens, completion_tokens=st.generated_tokens,
-                               total_tokens=st.prompt_tokens + st.generated_tokens,
-                               prompt_tokens_details=dict(cached_tokens=st.cached_tokens)))
+                    usage=usage([st], [st]))
+
+    def chat_prompt(self, messages: list[dict], *, tools: list | None = None,
+                    template_vars: dict | None = None) -> tuple[list[int], int]:
+        """What `chat` runs for messages: the token ids of the rendered template, and how many of
+        them are a long system prompt the prompt cache keeps (generate's `keep`; 0 if none)."""
+        from .prompt_cache import system_prefix
+
+        ids = self.chat_ids(self.template.render(messages, add_generation_prompt=True, tools=tools,
+                                                 **(template_vars or {})))
+        return ids, system_prefix(self, messages, ids, tools=tools, template_vars=template_vars)
 
     def session(self, system: str | None = None, **kw) -> "ChatSession":
         """A chat that keeps its KV cache between turns (see edgekv.ChatSession)."""

@@ -159,6 +159,20 @@ class Sampler:
         w = w.astype(np.float64)
         return ids.astype(np.int64), w / w.sum()
 
+    def logprobs(self, logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """The model's log-probability of `token` and its k likeliest tokens with theirs, by
+        logprob descending: the log-softmax of the raw logits (n_vocab,) at temperature 1,
+        before bias, penalties and filters (what OpenAI and llama-server report), not of what
+        the sampler drew from."""
+        x = np.asarray(logits, dtype=np.float32)
+        m = float(x.max())
+        e = self._e
+        np.subtract(x, np.float32(m), out=e)
+        np.exp(e, out=e)
+        lse = m + math.log(float(e.sum(dtype=np.float64)))
+        top = _top(x, min(k, self.n_vocab), self._mask) if k > 0 else []
+        return float(x[token]) - lse, [(int(i), float(x[i]) - lse) for i in top]
+
     def _adjusted(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """The logits with logit bias, then penalties, applied, in the reused buffer _x."""
         logits = np.asarray(logits)

@@ -83,6 +83,21 @@ def row_agreement(logits: np.ndarray, top_ids, top_logprobs) -> tuple[list[bool]
     return tops, kls
 
 
+def serve_process(*extra: str):
+    """`edgekv serve` on SmolLM2 (ctx 256, f16 cache) on a free port of 127.0.0.1, as a child
+    process with JSON logs: (the Popen, its first record, which gives the URL)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "edgekv.cli", "serve", str(model_path("smollm2")), "--port", "0",
+                          "--ctx", "256", "--kv", "f16", "-q", "--log-format", "json", *extra], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if not line:
+        raise AssertionError(f"edgekv serve did not start: {p.stderr.read()}")
+    return p, json.loads(line)
+
+
 @pytest.fixture(params=sorted(MODELS))
 def model_key(request) -> str:
     return request.param

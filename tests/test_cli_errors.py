@@ -100,6 +100,12 @@ CASES = [
     ("perplexity M TXT --kv int3", "argument --kv: unknown KV cache type 'int3'"),
     ("perplexity M TXT --kl-base int3", "argument --kl-base: unknown KV cache type 'int3'"),
     ("perplexity M TXT --threads 0", "argument --threads: must be >= 1"),
+    ("serve M --port 70000", "argument --port: must be in [0, 65535], got 70000"),
+    ("serve M --port x", "argument --port: 'x' is not a whole number"),
+    ("serve M --parallel 0", "argument --parallel: must be >= 1, got 0"),
+    ("serve M --log-format xml", "argument --log-format: invalid choice: 'xml'"),
+    ("serve M --ctx 2", "argument --ctx: must be >= 8, got 2"),
+    ("serve no-such-model -q", "'no-such-model' is neither a known model"),
     ("nosuchverb", "invalid choice: 'nosuchverb'"),
     ("--bogus", "unrecognized arguments: --bogus"),
 ]

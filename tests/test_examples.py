@@ -1,4 +1,5 @@
-"""examples/: the script runs on the real 135M model; the desktop chat's controller is driven
+"""examples/: the scripts run on the real 135M model (the OpenAI-client chat against `edgekv
+serve` in a child process, its first reply the library's own); the desktop chat's controller is driven
 without a display (send, stream, Stop within a token, send again); its Tk window is built
 only where a display exists."""
 import importlib.util
@@ -31,6 +32,27 @@ def test_quickstart_script_runs(tmp_path):
     assert "decode_tokens_per_s" in r.stdout and "kv_bytes_used" in r.stdout
     assert "prefilled" in r.stdout and lines[-1] == "4 messages restored"
     assert (tmp_path / "chat.ekv").exists()
+
+
+def test_openai_chat_script_talks_to_the_server():
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from edgekv import LLM
+    from conftest import serve_process
+
+    proc, start = serve_process()
+    try:
+        r = subprocess.run([sys.executable, str(EXAMPLES / "openai_chat.py"), "--base-url", start["url"],
+                            "--max-tokens", "8", "--temperature", "0"], input="What is 2+2?\nThanks!\n",
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref = LLM(model_path("smollm2"), n_ctx=256, kv="f16", prompt_cache=False)  # the server's settings
+    first = ref.chat([{"role": "user", "content": "What is 2+2?"}], max_tokens=8, temperature=0)
+    reply = first["choices"][0]["message"]["content"]
+    assert r.stdout.startswith(reply + "\n") and len(r.stdout) > len(reply) + 2, r.stdout  # two replies
 
 
 def _drain(ctl, timeout=300.0):

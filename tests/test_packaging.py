@@ -30,7 +30,8 @@ LAYERS = [
     ("cache, backends", {"edgekv.kvcache", "edgekv.kvfile", "edgekv.backends"}),
     ("generation", {"edgekv.sampling", "edgekv.generate", "edgekv.beam", "edgekv.session", "edgekv.prompt_cache",
                     "edgekv.tokenizer", "edgekv.chat_template", "edgekv.llm"}),
-    ("API, CLI", {"edgekv", "edgekv.cli", "edgekv.bench", "edgekv.warmup", "edgekv.synth", "edgekv.perplexity"}),
+    ("API, CLI", {"edgekv", "edgekv.cli", "edgekv.bench", "edgekv.warmup", "edgekv.synth", "edgekv.perplexity",
+                  "edgekv.server"}),
 ]
 
 
