@@ -392,6 +392,21 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
     stats = stats if stats is not None else Stats()
     try:
         logits = prefill(llm, seq, prompt_ids, cancel, stats, keep=keep, remember=remember)
+    except BaseException:
+        leave(llm, [seq])
+        raise
+    yield from decode(llm, seq, logits, sampler, max_tokens=max_tokens, stop=stop, cancel=cancel, stats=stats,
+                      remember=remember, logprobs=logprobs)
+
+
+def decode(llm, seq: Sequence, logits: np.ndarray | None, sampler: Sampler, *, max_tokens: int,
+           stop: Seq[str] = (), cancel: threading.Event | None = None, stats: Stats | None = None,
+           remember: bool = False, logprobs: int | None = None) -> Iterator[Event]:
+    """generate's sampling part, from a prefilled seq: logits after its last token (None: the
+    prefill was cancelled). Several forks of one prefilled sequence (Sequence.fork), each
+    decoded in a thread of its own, are n samples of one prompt sharing its prefill."""
+    stats = stats if stats is not None else Stats()
+    try:
         if logits is None:  # cancelled between prefill chunks
             yield Event("", None, "cancelled")
             return
@@ -415,6 +430,38 @@ def generate(llm, seq: Sequence, prompt_ids: Seq[int], sampler: Sampler, *, max_
     finally:
         leave(llm, [seq])
     yield turn.last()
+
+
+def forks(llm, prompt_ids: Seq[int], samplers: list[Sampler], *, max_tokens: int, stop: Seq[str] = (),
+          cancel: threading.Event | None = None, stats: list[Stats], keep: int = 0, remember: bool = False,
+          logprobs: int | None = None) -> list[Iterator[Event]]:
+    """One stream per sampler for one prompt (LLM.streams): the first stream read prefills a new
+    Sequence and forks it once per further stream, before any of them decodes; each then
+    decodes its own (`decode`). Each equals `generate` with its sampler."""
+    n, lock, ready = len(samplers), threading.Lock(), []
+
+    def start() -> tuple[list[Sequence], np.ndarray | None]:
+        with lock:
+            if not ready:
+                seq = Sequence(llm)
+                try:
+                    lg = prefill(llm, seq, prompt_ids, cancel, stats[0], keep=keep, remember=remember)
+                    ready.append(([seq] + [seq.fork() for _ in range(n - 1)] if lg is not None else [seq] * n, lg))
+                except BaseException as e:
+                    leave(llm, [seq])
+                    ready.append(e)
+                for st in stats[1:]:  # every stream carries the prompt's one prefill
+                    st.__dict__.update(replace(stats[0]).__dict__)
+        if isinstance(ready[0], BaseException):
+            raise ready[0]
+        return ready[0]
+
+    def stream(i: int) -> Iterator[Event]:
+        seqs, lg = start()
+        yield from decode(llm, seqs[i], lg if i == 0 or lg is None else lg.copy(), samplers[i], max_tokens=max_tokens,
+                          stop=stop, cancel=cancel, stats=stats[i], remember=remember and i == 0, logprobs=logprobs)
+
+    return [stream(i) for i in range(n)]
 
 
 def submit(llm, seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:

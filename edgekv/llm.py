@@ -176,6 +176,36 @@ class LLM:
         from .sampling import Sampler
 
         params = self.sampling(**sampling)
+        ids = self._checked_ids(prompt, add_bos, max_tokens, keep, logprobs)
+        self.stats = stats = stats if stats is not None else Stats()
+        yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
+                            stop=stop, cancel=cancel, stats=stats, keep=keep, remember=not keep, logprobs=logprobs)
+
+    def streams(self, prompt: str | bytes | list[int], n: int, *, max_tokens: int = 256, stop: list[str] | tuple = (),
+                cancel=None, add_bos: bool | None = None, stats: list | None = None, keep: int = 0,
+                logprobs: int | None = None, **sampling) -> list[Iterator[Event]]:
+        """n streams of Events for one prompt, as n `generate` calls would give (stream i seeded
+        with seed + i, mod 2**128; None: fresh entropy each) but sharing one prefill: the first
+        stream read prefills the prompt, in its thread, and forks its cache for the others
+        (KVCache.fork). Read each in a thread of its own: their decode steps run as one batch
+        (the Batcher). stats: n generate.Stats to fill; each carries the prompt's one prefill."""
+        from .generate import Stats, forks
+        from .sampling import Sampler
+
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise EdgekvError(f"n must be a whole number >= 1, got {n!r}")
+        params = self.sampling(**sampling)  # the seed checked before it is offset
+        ids = self._checked_ids(prompt, add_bos, max_tokens, keep, logprobs)
+        stats = list(stats) if stats is not None else [Stats() for _ in range(n)]
+        if len(stats) != n:
+            raise EdgekvError(f"streams: {len(stats)} stats for n={n}")
+        seeds = [None if params.seed is None else (params.seed + i) % 2**128 for i in range(n)]
+        samplers = [Sampler(replace(params, seed=sd), self.cfg.n_vocab) for sd in seeds]
+        return forks(self, ids, samplers, max_tokens=max_tokens, stop=stop, cancel=cancel, stats=stats, keep=keep,
+                     remember=not keep, logprobs=logprobs)
+
+    def _checked_ids(self, prompt, add_bos: bool | None, max_tokens: int, keep: int, logprobs) -> list[int]:
+        """The prompt's ids, generate's other arguments checked against them."""
         ids = self._prompt_ids(prompt, add_bos)
         if max_tokens < 0:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -183,9 +213,7 @@ class LLM:
             raise EdgekvError(f"keep must be in [0, {len(ids)}) for this prompt, got {keep}")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise EdgekvError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
-        self.stats = stats = stats if stats is not None else Stats()
-        yield from generate(self, Sequence(self), ids, Sampler(params, self.cfg.n_vocab), max_tokens=max_tokens,
-                            stop=stop, cancel=cancel, stats=stats, keep=keep, remember=not keep, logprobs=logprobs)
+        return ids
 
     def _prompt_ids(self, prompt, add_bos: bool | None) -> list[int]:
         if isinstance(prompt, (bytes, bytearray)):  # bytes are text, not token ids

@@ -442,20 +442,24 @@ class Service:
                 pass
 
         for p, ((ids, keep), limit) in enumerate(zip(job.prompts, job.limits)):
-            for j in range(job.n):
+            stats = [Stats() for _ in range(job.n)]
+            # the prompt's n choices share one prefill (choice j seeded seed + j)
+            try:
+                streams = self.llm.streams(ids, job.n, max_tokens=limit, stop=job.stop, cancel=job.cancel,
+                                           stats=stats, keep=keep, logprobs=job.logprobs, seed=job.seed, **job.sampling)
+            except Exception as exc:  # checked when the request was read: not expected
+                streams = [_raising(exc)] * job.n
+            for j, (events, st) in enumerate(zip(streams, stats)):
                 i = p * job.n + j
-                seed = None if job.seed is None else job.seed + j  # each choice its own stream
-                threading.Thread(target=self._choice, args=(job, i, ids, keep, limit, seed, put),
-                                 name=f"edgekv-{job.id}-{i}", daemon=True).start()
+                threading.Thread(target=self._choice, args=(i, events, st, put), name=f"edgekv-{job.id}-{i}",
+                                 daemon=True).start()
         return queue
 
-    def _choice(self, job: Job, i: int, ids, keep: int, limit: int, seed, put) -> None:
-        stats = Stats()
+    def _choice(self, i: int, events, stats: Stats, put) -> None:
         with self.lock:
             self.sequences += 1
         try:
-            for e in self.llm.generate(ids, max_tokens=limit, stop=job.stop, cancel=job.cancel, stats=stats, keep=keep,
-                                       logprobs=job.logprobs, seed=seed, **job.sampling):
+            for e in events:
                 put(("event", i, e))
         except Exception as exc:  # an EdgekvError or a bug: this request fails, the server goes on
             put(("error", i, exc))
@@ -467,6 +471,11 @@ class Service:
     def finish(self, job: Job) -> None:
         self.jobs.discard(job)
         self.slots.release(job.width)
+
+
+def _raising(exc: Exception):
+    raise exc
+    yield  # a generator: the error comes where a choice's events would
 
 
 # --- response shapes (OpenAI's) ---------------------------------------------------------------

@@ -64,3 +64,36 @@ def test_generate_many_with_n_is_prompt_major_each_sample_its_solo_run():
     got = llm.generate_many(prompts, n=2, max_tokens=8, temperature=0.9, seed=seeds)
     want = [solo(llm, p, max_tokens=8, temperature=0.9, seed=s + i) for p, s in zip(prompts, seeds) for i in range(2)]
     assert [(c.text, c.tokens, c.finish_reason) for c in got] == want
+
+
+def test_streams_share_one_prefill_and_each_equals_generate(monkeypatch):
+    """llm.streams: n event streams of one prompt, each read in a thread of its own (what the
+    server does for OpenAI's n): one prefill, the streams' steps batched, each stream what
+    generate gives with seed + i, its events and its stats' prompt figures."""
+    import threading
+
+    from edgekv.generate import Stats
+
+    llm = llm_for("smollm2", "cpu", "int8", 64)
+    kw = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=12)
+    want = [[(e.text, e.token, e.finish_reason) for e in llm.generate(PROMPT, seed=7 + i, **kw)] for i in range(3)]
+    stats = [Stats() for _ in range(3)]
+    passes = counting(llm, monkeypatch)
+    streams = llm.streams(PROMPT, 3, seed=7, stats=stats, **kw)
+    got = [None] * 3
+
+    def read(i):
+        got[i] = [(e.text, e.token, e.finish_reason) for e in streams[i]]
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in (2, 0, 1)]  # any stream may come first
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.undo()
+    assert got == want
+    n_prompt = len(llm.tokenize(PROMPT))
+    assert [p for p in passes if p[0] > 1 and p[1] == 1] == [(n_prompt, 1)]  # the prompt prefilled once
+    assert all(s.prompt_tokens == n_prompt and s.prefill_tokens == n_prompt for s in stats)
+    with pytest.raises(EdgekvError, match="n must be"):
+        llm.streams(PROMPT, 0)
