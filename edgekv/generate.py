@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence as Seq
 
 import numpy as np
@@ -432,36 +432,46 @@ def decode(llm, seq: Sequence, logits: np.ndarray | None, sampler: Sampler, *, m
     yield turn.last()
 
 
+def prefill_forks(llm, seq: Sequence, prompt_ids: Seq[int], cancel: threading.Event | None, stats: list[Stats], *,
+                  keep: int = 0, remember: bool = False) -> tuple[list[Sequence], list]:
+    """Prefill seq once, then fork it for each further entry of stats, before anything decodes:
+    (the sequences, the logits after the prompt for each: own copies, a sampler may write to
+    its logits; None if cancelled). Every stats carries the prompt's one prefill."""
+    logits = prefill(llm, seq, prompt_ids, cancel, stats[0], keep=keep, remember=remember)
+    for st in stats[1:]:
+        st.__dict__.update(vars(stats[0]))
+    if logits is None:
+        return [seq] * len(stats), [None] * len(stats)
+    return [seq] + [seq.fork() for _ in stats[1:]], [logits] + [logits.copy() for _ in stats[1:]]
+
+
 def forks(llm, prompt_ids: Seq[int], samplers: list[Sampler], *, max_tokens: int, stop: Seq[str] = (),
           cancel: threading.Event | None = None, stats: list[Stats], keep: int = 0, remember: bool = False,
           logprobs: int | None = None) -> list[Iterator[Event]]:
     """One stream per sampler for one prompt (LLM.streams): the first stream read prefills a new
     Sequence and forks it once per further stream, before any of them decodes; each then
     decodes its own (`decode`). Each equals `generate` with its sampler."""
-    n, lock, ready = len(samplers), threading.Lock(), []
+    lock, ready = threading.Lock(), []
 
-    def start() -> tuple[list[Sequence], np.ndarray | None]:
+    def start() -> tuple[list[Sequence], list]:
         with lock:
             if not ready:
                 seq = Sequence(llm)
                 try:
-                    lg = prefill(llm, seq, prompt_ids, cancel, stats[0], keep=keep, remember=remember)
-                    ready.append(([seq] + [seq.fork() for _ in range(n - 1)] if lg is not None else [seq] * n, lg))
+                    ready.append(prefill_forks(llm, seq, prompt_ids, cancel, stats, keep=keep, remember=remember))
                 except BaseException as e:
                     leave(llm, [seq])
                     ready.append(e)
-                for st in stats[1:]:  # every stream carries the prompt's one prefill
-                    st.__dict__.update(replace(stats[0]).__dict__)
         if isinstance(ready[0], BaseException):
             raise ready[0]
         return ready[0]
 
     def stream(i: int) -> Iterator[Event]:
-        seqs, lg = start()
-        yield from decode(llm, seqs[i], lg if i == 0 or lg is None else lg.copy(), samplers[i], max_tokens=max_tokens,
-                          stop=stop, cancel=cancel, stats=stats[i], remember=remember and i == 0, logprobs=logprobs)
+        seqs, logits = start()
+        yield from decode(llm, seqs[i], logits[i], samplers[i], max_tokens=max_tokens, stop=stop, cancel=cancel,
+                          stats=stats[i], remember=remember and i == 0, logprobs=logprobs)
 
-    return [stream(i) for i in range(n)]
+    return [stream(i) for i in range(len(samplers))]
 
 
 def submit(llm, seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
@@ -508,11 +518,11 @@ def generate_many(llm, seqs: list[Sequence], prompts: list[Seq[int]], samplers: 
         logits, stats = [], []
         for seq, p in zip(seqs, prompts):
             runs.append(seq)
-            first = Stats()
-            lg = prefill(llm, seq, p, cancel, first)
-            runs += [seq.fork() for _ in range(n - 1)]  # before anyone decodes: each starts from the prompt
-            stats += [first] + [replace(first) for _ in range(n - 1)]
-            logits += [lg] + [None if lg is None else lg.copy() for _ in range(n - 1)]  # a sampler may write to its logits
+            st = [Stats() for _ in range(n)]
+            forked, lgs = prefill_forks(llm, seq, p, cancel, st)
+            runs += forked[1:]
+            stats += st
+            logits += lgs
         return decode_many(llm, runs, logits, samplers, stats, max_tokens=max_tokens, stop=stop, cancel=cancel)
     finally:
         leave(llm, runs)

@@ -190,19 +190,23 @@ class LLM:
         (KVCache.fork). Read each in a thread of its own: their decode steps run as one batch
         (the Batcher). stats: n generate.Stats to fill; each carries the prompt's one prefill."""
         from .generate import Stats, forks
-        from .sampling import Sampler
 
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise EdgekvError(f"n must be a whole number >= 1, got {n!r}")
-        params = self.sampling(**sampling)  # the seed checked before it is offset
+        _check_n(n)
+        samplers = self._samplers(self.sampling(**sampling), n)
         ids = self._checked_ids(prompt, add_bos, max_tokens, keep, logprobs)
         stats = list(stats) if stats is not None else [Stats() for _ in range(n)]
         if len(stats) != n:
             raise EdgekvError(f"streams: {len(stats)} stats for n={n}")
-        seeds = [None if params.seed is None else (params.seed + i) % 2**128 for i in range(n)]
-        samplers = [Sampler(replace(params, seed=sd), self.cfg.n_vocab) for sd in seeds]
         return forks(self, ids, samplers, max_tokens=max_tokens, stop=stop, cancel=cancel, stats=stats, keep=keep,
                      remember=not keep, logprobs=logprobs)
+
+    def _samplers(self, params, n: int) -> list:
+        """n samplers of params (its seed checked before it is offset), sample i seeded with
+        seed + i (mod 2**128); no seed: fresh entropy each."""
+        from .sampling import Sampler
+
+        return [Sampler(params if params.seed is None else replace(params, seed=(params.seed + i) % 2**128),
+                        self.cfg.n_vocab) for i in range(n)]
 
     def _checked_ids(self, prompt, add_bos: bool | None, max_tokens: int, keep: int, logprobs) -> list[int]:
         """The prompt's ids, generate's other arguments checked against them."""
@@ -241,20 +245,14 @@ class LLM:
         seeded with it, as separate generate calls would be) or a list of one per prompt; a
         prompt's sample i is seeded with its seed + i (mod 2**128); None: fresh entropy each."""
         from .generate import Sequence, generate_many
-        from .sampling import Sampler
 
         prompts = list(prompts)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise EdgekvError(f"n must be a whole number >= 1, got {n!r}")
+        _check_n(n)
         seed = sampling.pop("seed", None)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise EdgekvError(f"generate_many: {len(seeds)} seeds for {len(prompts)} prompts")
-        samplers = []
-        for s in seeds:
-            params = self.sampling(seed=s, **sampling)  # the seed checked before it is offset
-            samplers += [Sampler(params if s is None else replace(params, seed=(s + i) % 2**128), self.cfg.n_vocab)
-                         for i in range(n)]
+        samplers = [sm for s in seeds for sm in self._samplers(self.sampling(seed=s, **sampling), n)]
         ids = [self._prompt_ids(p, add_bos) for p in prompts]
         if max_tokens < 0:
             raise EdgekvError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -358,6 +356,11 @@ def _prompt_cache(llm: LLM, disk_bytes: int | None, memory_bytes: int | None):
             raise EdgekvError(f"{what} must be a number of bytes >= 0, got {v!r}")
     return PromptCache(llm, disk_bytes=DEFAULT_DISK if disk_bytes is None else disk_bytes,
                        memory_bytes=DEFAULT_MEMORY if memory_bytes is None else memory_bytes)
+
+
+def _check_n(n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise EdgekvError(f"n must be a whole number >= 1, got {n!r}")
 
 
 def check_context(llm: LLM, cfg) -> None:
