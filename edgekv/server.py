@@ -441,18 +441,16 @@ class Service:
             except RuntimeError:  # the loop is closed: the server is gone, nobody reads this
                 pass
 
-        for p, ((ids, keep), limit) in enumerate(zip(job.prompts, job.limits)):
+        choices = []  # every stream made before any thread starts: a failure here leaves nothing running
+        for (ids, keep), limit in zip(job.prompts, job.limits):
             stats = [Stats() for _ in range(job.n)]
             # the prompt's n choices share one prefill (choice j seeded seed + j)
-            try:
-                streams = self.llm.streams(ids, job.n, max_tokens=limit, stop=job.stop, cancel=job.cancel,
-                                           stats=stats, keep=keep, logprobs=job.logprobs, seed=job.seed, **job.sampling)
-            except Exception as exc:  # checked when the request was read: not expected
-                streams = [_raising(exc)] * job.n
-            for j, (events, st) in enumerate(zip(streams, stats)):
-                i = p * job.n + j
-                threading.Thread(target=self._choice, args=(i, events, st, put), name=f"edgekv-{job.id}-{i}",
-                                 daemon=True).start()
+            choices += zip(self.llm.streams(ids, job.n, max_tokens=limit, stop=job.stop, cancel=job.cancel,
+                                            stats=stats, keep=keep, logprobs=job.logprobs, seed=job.seed,
+                                            **job.sampling), stats)
+        for i, (events, st) in enumerate(choices):
+            threading.Thread(target=self._choice, args=(i, events, st, put), name=f"edgekv-{job.id}-{i}",
+                             daemon=True).start()
         return queue
 
     def _choice(self, i: int, events, stats: Stats, put) -> None:
@@ -471,11 +469,6 @@ class Service:
     def finish(self, job: Job) -> None:
         self.jobs.discard(job)
         self.slots.release(job.width)
-
-
-def _raising(exc: Exception):
-    raise exc
-    yield  # a generator: the error comes where a choice's events would
 
 
 # --- response shapes (OpenAI's) ---------------------------------------------------------------
