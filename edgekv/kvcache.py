@@ -17,16 +17,22 @@ Protocol. For a batch of positions a layer gives a `Plan`: plain integers (ring 
 shift, the exact-token range, the exact rows) that backends and kernels take as they are and
 never derive. The attention step (backends/attention.py) stores the batch where the plan says,
 `place`s it (its slots' positions), attends, writes the exact rows, then `commit`s (the write
-cursor). `trim`, `reset`, `fork` (a copy to go on apart: parallel samples, beams) and `state` /
-`load_state` (sessions) are the other state changes.
+cursor). `trim`, `reset`, `fork` / `adopt` (another ring holding the same tokens, to go on apart: parallel
+samples, beams, prompt-cache entries) and `state` / `load_state` (sessions) are the other state
+changes.
+
+Shared prefixes. A fork shares the filled slots' memory with the ring it came from instead of
+copying them: both map one frozen copy (edgekv/pages.py: OS pages as the blocks, copy-on-write
+at the first page either writes), so N chats restored from one cached system prompt hold one
+copy of it plus N tails, and a ring that wraps stops sharing just the pages it overwrites. Each
+ring counts `clean`, its leading slots still as in its frozen copy (place, trim, reset and
+load_state lower it), so freezing it again reuses those pages.
 
 Several sequences in one batch (`BatchCache`): their tokens are stacked, so every matmul reads a
 weight once for all of them, and each layer of the batch is the sequences' own LayerKVs with the
 batch rows that belong to each; the attention step runs its one-sequence path per sequence, one
-plan per sequence's cache. What comes next, as additions: shared prefixes make the slots a
-plan names physical ones, blocks of a pool with reference counts, copied on first write before the
-plan is given; another eviction policy is another way to choose the slots of `plan` (the kernels
-mask by position, so holes cost nothing).
+plan per sequence's cache. What comes next, as an addition: another eviction policy is another way
+to choose the slots of `plan` (the kernels mask by position, so holes cost nothing).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import pages
 from .errors import EdgekvError
 from .kvkinds import GROUP, KINDS, KV_KINDS
 
@@ -164,6 +171,8 @@ class LayerKV:
     # tokens before the cursor (less what a trim cut), so this one int stands for rpos there.
     exact_from: int = -1
     epoch: int = 0  # bumped by every change no plan describes (trim, reset, load, calibrate): device copies resync
+    frozen: dict | None = field(default=None, compare=False, repr=False)  # slot array name -> pages.Frozen it maps
+    clean: int = 0  # leading slots whose rows are still as in `frozen` (nothing wrote them since)
     backend_state: object = field(default=None, compare=False, repr=False)  # a backend's derived per-layer data
 
     def __post_init__(self):
@@ -198,9 +207,12 @@ class LayerKV:
         """The batch is in its ring slots now: record their positions (attention reads them)."""
         if plan.n == 1:
             self.pos[plan.slot] = plan.p0
+            if plan.slot < self.clean:
+                self.clean = plan.slot
         else:
             rows, slots = plan.writers
             self.pos[slots] = plan.p0 + rows
+            self.clean = min(self.clean, int(slots.min()))
 
     def commit(self, plan: Plan) -> None:
         """The batch has attended and its exact rows are written: record them, advance the cursor."""
@@ -267,6 +279,7 @@ class LayerKV:
 
     def reset(self) -> None:
         self.pos[: self.fill] = -1
+        self.clean = 0
         self.rpos[:] = -1
         self.n_written, self.exact_from = 0, -1
         self.epoch += 1
@@ -278,6 +291,7 @@ class LayerKV:
             return False
         live = self.pos[: self.fill]
         live[live >= n] = -1
+        self.clean = min(self.clean, n)  # not wrapped: slot i holds position i
         self.rpos[self.rpos >= n] = -1
         self.n_written = min(self.n_written, n)
         if self.exact_from >= n:
@@ -286,12 +300,44 @@ class LayerKV:
         return True
 
     def fork(self) -> "LayerKV":
-        """A ring of its own holding what this one holds (the filled slots, the exact rows, mu and
-        kmul copied), to go on apart from it; a backend's derived data is made again on first use."""
-        arrays = {name: _copy(getattr(self, name), self.fill if name in self.slot_arrays else None)
-                  for name in LAYER_ARRAYS}
+        """A ring of its own holding what this one holds, to go on apart from it: the filled slots
+        shared (`frozen`; copied where pages.SUPPORTED is False), the exact rows, mu and kmul
+        copied; a backend's derived data is made again on first use."""
+        shared = self._freeze()
+        arrays = {name: shared[name].array() if shared else _copy(getattr(self, name), self.fill)
+                  for name in self.slot_arrays}
+        arrays.update({name: _copy(getattr(self, name), None) for name in LAYER_ARRAYS if name not in arrays})
         return LayerKV(self.kind, n_sink=self.n_sink, window=self.window, n_written=self.n_written,
-                       recent=self.recent, first=self.first, exact_from=self.exact_from, **arrays)
+                       recent=self.recent, first=self.first, exact_from=self.exact_from, frozen=shared,
+                       clean=self.fill if shared else 0, **arrays)
+
+    def adopt(self, other: "LayerKV") -> None:
+        """Hold what `other` (a ring of the same shape) holds, as a fork of it would, in place of
+        what this ring held; other is left as it is."""
+        if (other.kind, other.capacity, other.k.shape, other.n_sink, other.window) != \
+                (self.kind, self.capacity, self.k.shape, self.n_sink, self.window):
+            raise ValueError("a ring of another shape")
+        epoch = self.epoch
+        self.__dict__.update(other.fork().__dict__)
+        self.epoch = epoch + 1
+
+    def _freeze(self) -> dict | None:
+        """The filled rows of the slot arrays frozen (pages.freeze), which this ring then maps too
+        (its own copies of them are let go); the same Frozen again while nothing wrote a slot."""
+        if not pages.SUPPORTED:
+            return None
+        m = self.fill
+        if self.frozen is not None and self.clean >= m:
+            return self.frozen
+        frozen = {}
+        for name in self.slot_arrays:
+            a = getattr(self, name)
+            row = a.nbytes // a.shape[0]
+            frozen[name] = pages.freeze(a, m * row, (self.frozen or {}).get(name), self.clean * row)
+        for name, f in frozen.items():
+            setattr(self, name, f.array())
+        self.frozen, self.clean, self.backend_state = frozen, m, None
+        return frozen
 
     # -- save / load (edgekv.session) --------------------------------------------------
     @property
@@ -331,7 +377,7 @@ class LayerKV:
                 raise ValueError(f"{name} out of range")
         for name in LAYER_ARRAYS:
             getattr(self, name)[: len(arrays[name])] = arrays[name]
-        self.n_written = n_written
+        self.n_written, self.clean = n_written, 0
         live = self.rpos[self.first:][self.rpos[self.first:] >= 0]
         self.exact_from = int(live.min()) if len(live) else -1
         self.epoch += 1
@@ -412,11 +458,24 @@ class KVCache:
         return self.layers[layer]
 
     def fork(self) -> "KVCache":
-        """A cache of its own holding what this one holds (LayerKV.fork: a copy of the filled
-        slots; a later step shares them as blocks with reference counts instead)."""
+        """A cache of its own holding what this one holds (LayerKV.fork: the filled slots shared,
+        copy-on-write)."""
         twin = object.__new__(KVCache)
         twin.kind, twin.layers = self.kind, [lk.fork() for lk in self.layers]
         return twin
+
+    def adopt(self, other: "KVCache") -> None:
+        """Hold what `other` (a cache of the same shape) holds, sharing its pages (LayerKV.adopt)."""
+        if len(other.layers) != len(self.layers):
+            raise ValueError("a cache of another shape")
+        for lk, olk in zip(self.layers, other.layers):
+            lk.adopt(olk)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes a copy of what the cache holds takes (its filled slots, exact rows, mu, kmul):
+        what a session or a prompt-cache entry stores."""
+        return sum(a.nbytes for lk in self.layers for a in lk.state()[1].values())
 
     def reset(self) -> None:
         for lk in self.layers:

@@ -3,7 +3,10 @@ so a call that starts with them loads them instead of prefilling again.
 
 In memory: one entry per `llm.generate` / `llm.chat` call (the cache as the call left it: prompt
 and reply) and one per long chat system prompt, found by longest shared prefix (then trimmed to
-it), evicted least recently used past a byte budget. On disk, under $EDGEKV_HOME/prompt-cache:
+it), evicted least recently used past a byte budget. An entry is a fork of the sequence's cache
+and a restore adopts it (KVCache.fork / adopt): the entry and every sequence restored from it
+map the same pages, copy-on-write, so eight chats with one cached system prompt hold one copy of
+it plus their own tails; the budget counts each entry whole, as if it were a copy. On disk, under $EDGEKV_HOME/prompt-cache:
 the system prompts only (a chat whose system prompt is MIN_TOKENS or longer prefills it as a batch
 of its own and keeps that snapshot), one file per prefix named by a hash chain over the model's
 identity and the token ids, so the longest cached prefix of a prompt is found from the folder's
@@ -31,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import PromptCacheError
-from .kvcache import LAYER_ARRAYS
+from .kvcache import LAYER_ARRAYS, KVCache
 from .kvfile import cache_arrays, load_cache, read_file, write_file
 
 MIN_TOKENS = 256  # a chat system prompt this long is prefilled alone and kept on disk
@@ -56,16 +59,14 @@ def default_dir() -> Path:
 
 @dataclass
 class Entry:
-    """A cache's state holding exactly `tokens` (never a wrapped ring): copies, never written to."""
+    """A cache holding exactly `tokens` (never a wrapped ring): a fork nobody writes to."""
 
     tokens: tuple[int, ...]
-    metas: list[dict]  # LayerKV.state's metadata per layer
-    arrays: dict[str, np.ndarray]  # kvfile.cache_arrays's names
+    cache: KVCache
     logits: np.ndarray | None = None  # (n_vocab,) after the last token, when the snapshot was taken after a prefill
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values()) + (self.logits.nbytes if self.logits is not None else 0)
+    def __post_init__(self):
+        self.nbytes = self.cache.used_nbytes + (self.logits.nbytes if self.logits is not None else 0)
 
 
 def _checksum(arrays) -> str:
@@ -102,7 +103,7 @@ def _common(a, b) -> int:
 
 class PromptCache:
     """One per LLM (`llm.prompt_cache`; None with prompt_cache=False). Thread-safe: entries are
-    copies nobody writes to, the index is behind a lock."""
+    caches nobody writes to, the index is behind a lock."""
 
     def __init__(self, llm, *, memory_bytes: int = DEFAULT_MEMORY, disk_bytes: int = DEFAULT_DISK,
                  directory: str | os.PathLike | None = None):
@@ -135,7 +136,7 @@ class PromptCache:
         logits are what generation needs). exact: only a snapshot of exactly ids[:exact] will do
         (a chat's system prompt, see generate's keep)."""
         limit = exact or len(ids) - 1
-        entry, n, source = None, have, ""
+        entry, n, source, found = None, have, "", None
         with self._lock:
             if exact:
                 entry = self._mem.get(tuple(ids[:exact])) if exact > have else None
@@ -155,18 +156,20 @@ class PromptCache:
                 self._mem.move_to_end(entry.tokens)
         if self.disk_bytes > 0 and limit > n:
             found = self._find_on_disk(ids, limit, limit - 1 if exact else max(n, have + self.min_reuse - 1))
-            if found is not None:
-                entry, n, source = found, len(found.tokens), "disk"
-        if entry is None:
-            return have, "", None
-        try:
-            load_cache(seq.cache, entry.metas, entry.arrays, len(entry.tokens))  # shapes, dtypes, ranges
-        except ValueError as e:  # only a file gets here: what memory holds was taken from a cache like seq's
-            seq.reset()
-            self._warn(self._names(entry.tokens, len(entry.tokens))[-1], f"an entry is corrupt: {e}; not used")
-            return 0, "", None
-        if source == "disk":
+        if found is not None:
+            tokens, metas, arrays = found
+            try:
+                load_cache(seq.cache, metas, arrays, len(tokens))  # shapes, dtypes, ranges
+            except ValueError as e:
+                seq.reset()
+                self._warn(self._names(tokens, len(tokens))[-1], f"an entry is corrupt: {e}; not used")
+                return 0, "", None
+            entry, n, source = Entry(tokens, seq.cache.fork()), len(tokens), "disk"
             self._keep(entry)
+        elif entry is None:
+            return have, "", None
+        else:
+            seq.cache.adopt(entry.cache)
         if n < len(entry.tokens):
             seq.cache.trim(n)
         seq.tokens = list(ids[:n])
@@ -185,21 +188,15 @@ class PromptCache:
                 self._mem.move_to_end(tokens)
             else:
                 entry = None
+        cache = entry.cache if entry is not None else seq.cache
         if entry is None:
             sync = getattr(self.llm.backend, "sync_to_host", None)  # a GPU backend holds the rings
             if sync is not None:
                 sync(seq.cache)
-            metas, arrays = cache_arrays(seq.cache)  # views of the live cache
-            kept = sum(a.nbytes for a in arrays.values()) <= self.memory_bytes
-            if not kept and not (disk and self.disk_bytes > 0):
-                return  # too big to keep: no copy (a 7B cache of a few thousand tokens is hundreds of MiB)
-            entry = Entry(tokens, [dict(m) for m in metas],
-                          {k: np.array(a) if kept else a for k, a in arrays.items()},  # views only go to disk, now
-                          None if logits is None else np.array(logits))
-            if kept:
-                self._keep(entry)
+            if seq.cache.used_nbytes <= self.memory_bytes:  # else too big to keep (a 7B cache of thousands of tokens)
+                self._keep(Entry(tokens, seq.cache.fork(), None if logits is None else np.array(logits)))
         if disk and self.disk_bytes > 0:
-            self._write(entry)
+            self._write(tokens, cache)
 
     def clear(self) -> None:
         """Forget the entries in memory (the files stay)."""
@@ -225,7 +222,7 @@ class PromptCache:
             names.append(h.hex()[:40] + SUFFIX)
         return names
 
-    def _find_on_disk(self, ids, limit: int, longer_than: int) -> Entry | None:
+    def _find_on_disk(self, ids, limit: int, longer_than: int) -> tuple | None:
         d = self.directory
         try:
             present = set(os.listdir(d))
@@ -245,8 +242,8 @@ class PromptCache:
                 return entry
         return None
 
-    def _read(self, path: Path, ids) -> Entry | None:
-        """The entry in path, for the prefix ids, or None after one warning line (a bad file is
+    def _read(self, path: Path, ids) -> tuple | None:
+        """(tokens, per-layer metadata, arrays) in path, for the prefix ids, or None after one warning line (a bad file is
         never used, and is warned about once per process; the cold run that follows replaces
         it). Shapes, dtypes and ranges are checked as `restore` loads it (LayerKV.load_state)."""
         llm = self.llm
@@ -279,12 +276,13 @@ class PromptCache:
         except PromptCacheError as e:
             self._warn(path.name, f"{e}; not used")
             return None
-        return Entry(tokens, metas, got)
+        return tokens, metas, got
 
-    def _write(self, entry: Entry) -> None:
+    def _write(self, tokens: tuple, cache: KVCache) -> None:
         d = self.directory
-        path = d / self._names(entry.tokens, len(entry.tokens))[-1]
-        if entry.nbytes > self.disk_bytes:
+        path = d / self._names(tokens, len(tokens))[-1]
+        metas, arrays = cache_arrays(cache)
+        if sum(a.nbytes for a in arrays.values()) > self.disk_bytes:
             return
         try:
             if path.exists() and path.name not in self._warned:  # a bad file of that name is replaced
@@ -292,9 +290,9 @@ class PromptCache:
                 return
             d.mkdir(parents=True, exist_ok=True)
             llm = self.llm
-            packed = _pack(entry.arrays, len(entry.metas))
+            packed = _pack(arrays, len(metas))
             header = dict(format=FORMAT, version=VERSION, model=llm.identity, kv=llm.kv_type, n_ctx=llm.n_ctx,
-                          n_sink=llm.n_sink, tokens=list(entry.tokens), layers=entry.metas,
+                          n_sink=llm.n_sink, tokens=list(tokens), layers=metas,
                           arrays_sha256=_checksum(packed))
             write_file(path, MAGIC, header, packed)
             self._evict(d, keep=path.name)

@@ -181,6 +181,7 @@ class _Ring:
     kmul: object
     epoch: int
     owner: object
+    host: object  # the host ring array it was made from (a fork or an adopt gives the LayerKV new ones)
 
 
 class CUDABackend(AttentionStep):
@@ -430,7 +431,7 @@ class CUDABackend(AttentionStep):
         offset and channel weights uploaded again when the host changed them (kv.epoch: trim,
         reset, calibrate, load)."""
         r = kv.__dict__.get("_cuda_ring")
-        if r is None or r.owner is not self:
+        if r is None or r.owner is not self or r.host is not kv.k:
             if kv.n_written == 0 and (kv.rpos < 0).all():
                 # an empty ring: allocate only (attention reads a slot only once it is written)
                 up = lambda a: self.cuda.device_array(a.shape, a.dtype)  # noqa: E731
@@ -442,7 +443,7 @@ class CUDABackend(AttentionStep):
             to = self.cuda.to_device
             r = _Ring(self.kvq.ring_arrays(kv.kind, k, ks), self.kvq.ring_arrays(kv.kind, v, vs), k, v, ks, vs,
                       to(kv.pos), up(kv.rk.view(np.uint16)), up(kv.rv.view(np.uint16)), to(kv.rpos), to(kv.mu),
-                      to(kv.kmul), kv.epoch, self)
+                      to(kv.kmul), kv.epoch, self, kv.k)
             kv.__dict__["_cuda_ring"] = r  # lives and dies with the LayerKV
         elif r.epoch != kv.epoch:
             for dev, host in ((r.pos, kv.pos), (r.rpos, kv.rpos), (r.mu, kv.mu), (r.kmul, kv.kmul)):
