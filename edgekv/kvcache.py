@@ -303,7 +303,7 @@ class LayerKV:
         """A ring of its own holding what this one holds, to go on apart from it: the filled slots
         shared (`frozen`; copied where pages.SUPPORTED is False), the exact rows, mu and kmul
         copied; a backend's derived data is made again on first use."""
-        shared = self._freeze()
+        shared = freeze([self])[0]
         arrays = {name: shared[name].array() if shared else _copy(getattr(self, name), self.fill)
                   for name in self.slot_arrays}
         arrays.update({name: _copy(getattr(self, name), None) for name in LAYER_ARRAYS if name not in arrays})
@@ -320,24 +320,6 @@ class LayerKV:
         epoch = self.epoch
         self.__dict__.update(other.fork().__dict__)
         self.epoch = epoch + 1
-
-    def _freeze(self) -> dict | None:
-        """The filled rows of the slot arrays frozen (pages.freeze), which this ring then maps too
-        (its own copies of them are let go); the same Frozen again while nothing wrote a slot."""
-        if not pages.SUPPORTED:
-            return None
-        m = self.fill
-        if self.frozen is not None and self.clean >= m:
-            return self.frozen
-        frozen = {}
-        for name in self.slot_arrays:
-            a = getattr(self, name)
-            row = a.nbytes // a.shape[0]
-            frozen[name] = pages.freeze(a, m * row, (self.frozen or {}).get(name), self.clean * row)
-        for name, f in frozen.items():
-            setattr(self, name, f.array())
-        self.frozen, self.clean, self.backend_state = frozen, m, None
-        return frozen
 
     # -- save / load (edgekv.session) --------------------------------------------------
     @property
@@ -395,6 +377,32 @@ class LayerKV:
     @property
     def nbytes(self) -> int:
         return self.ring_nbytes + self.recent_nbytes
+
+
+def freeze(layers: list[LayerKV]) -> list[dict | None]:
+    """Each layer's filled slot rows frozen (pages.freeze, one file for all of them), which the
+    layers then map too (their own copies let go); a layer's same Frozen again while nothing
+    wrote its slots. None for a layer where pages cannot be shared (then forks copy)."""
+    if not pages.SUPPORTED:
+        return [None] * len(layers)
+    todo = [lk for lk in layers if lk.frozen is None or lk.clean < lk.fill]
+    items = []
+    for lk in todo:
+        for name in lk.slot_arrays:
+            a = getattr(lk, name)
+            row = a.nbytes // a.shape[0]
+            items.append((a, lk.fill * row, (lk.frozen or {}).get(name), lk.clean * row))
+    try:
+        made = iter(pages.freeze(items))
+        for lk in todo:
+            frozen = {name: next(made) for name in lk.slot_arrays}
+            arrays = {name: f.array() for name, f in frozen.items()}
+            for name, a in arrays.items():
+                setattr(lk, name, a)
+            lk.frozen, lk.clean, lk.backend_state = frozen, lk.fill, None
+    except OSError:  # out of descriptors or mappings: what is not frozen yet is copied instead
+        pass
+    return [lk.frozen if lk.frozen is not None and lk.clean >= lk.fill else None for lk in layers]
 
 
 def lazy_zeros(shape: tuple, dtype) -> np.ndarray:
@@ -460,6 +468,7 @@ class KVCache:
     def fork(self) -> "KVCache":
         """A cache of its own holding what this one holds (LayerKV.fork: the filled slots shared,
         copy-on-write)."""
+        freeze(self.layers)  # one file for every layer's new pages; each lk.fork then finds its own
         twin = object.__new__(KVCache)
         twin.kind, twin.layers = self.kind, [lk.fork() for lk in self.layers]
         return twin

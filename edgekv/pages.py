@@ -10,7 +10,7 @@ block table, no gather. A block is a page (4 KiB: 2-10 tokens of a layer's keys,
 positions).
 
 Freezing a ring that came from a Frozen and whose first rows were not written since reuses that
-Frozen's pages for them and writes only the rest to a new file (`freeze(..., base, clean)`), so
+Frozen's pages for them and writes only the rest to a new file (`freeze`'s base and clean), so
 a chat that took a system prompt's pages and then its own turns shares the system prompt's pages
 with every other such chat after each turn is frozen too. Past MAX_SEGMENTS files, all but the first are
 copied into one (each file is a mapping, and a process may hold only so many).
@@ -29,7 +29,7 @@ import weakref
 import numpy as np
 
 PAGE = mmap.PAGESIZE
-MAX_SEGMENTS = 8
+MAX_SEGMENTS = 4
 _PROT_RW, _MAP_PRIVATE, _MAP_FIXED = mmap.PROT_READ | mmap.PROT_WRITE, 0x02, 0x10
 
 
@@ -51,17 +51,22 @@ SUPPORTED = _mmap is not None
 
 
 class _File:
-    """An anonymous in-memory file of `size` bytes; closed when nothing refers to it (a mapping
-    of it keeps its pages alive by itself)."""
+    """An anonymous in-memory file holding `parts` (byte buffers) one after another, each from a
+    page boundary (`offsets`); its descriptor closed when nothing refers to it (a mapping of it
+    keeps its pages alive by itself). One file for a whole cache: a process may open only so many."""
 
-    def __init__(self, data: memoryview):
+    def __init__(self, parts: list[memoryview]):
+        self.offsets, end = [], 0
+        for part in parts:
+            self.offsets.append(end)
+            end += -(-len(part) // PAGE) * PAGE
         self.fd = os.memfd_create("edgekv-kv", os.MFD_CLOEXEC)
         weakref.finalize(self, os.close, self.fd)
-        self.size = -(-len(data) // PAGE) * PAGE
-        os.ftruncate(self.fd, self.size)
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self.fd, data[done:], done)
+        os.ftruncate(self.fd, end)
+        for at, part in zip(self.offsets, parts):
+            done = 0
+            while done < len(part):
+                done += os.pwrite(self.fd, part[done:], at + done)
 
 
 class Frozen:
@@ -86,18 +91,27 @@ class Frozen:
         return np.frombuffer(region, self.dtype, count=count).reshape(self.shape)
 
 
-def freeze(a: np.ndarray, used: int, base: Frozen | None = None, clean: int = 0) -> Frozen:
-    """Frozen of a's first `used` bytes (a C-contiguous array). When a was made from `base` and
-    its first `clean` bytes are as base has them, base's whole pages among those are reused and
-    only the bytes after them go to a new file."""
-    raw = a.reshape(-1).view(np.uint8)
-    keep = min(clean, used, base.nbytes) // PAGE * PAGE if base is not None else 0
-    segments = tuple((f, off, at, min(length, keep - at)) for f, off, at, length in base.segments
-                     if at < keep) if keep else ()
-    if len(segments) >= MAX_SEGMENTS:  # the first (the oldest prefix, shared the widest) stays
-        segments = segments[:1]
-        keep = segments[0][2] + segments[0][3]
-    if used > keep:
-        f = _File(memoryview(raw[keep:used]))
-        segments += ((f, 0, keep, f.size),)
-    return Frozen(a.shape, a.dtype, segments)
+def freeze(items: list[tuple]) -> list[Frozen]:
+    """Frozen of each (a, used, base, clean): a C-contiguous array's first `used` bytes. When a
+    was made from `base` (or None) and its first `clean` bytes are as base has them, base's
+    whole pages among those are reused and only the bytes after them are copied, into one new
+    file for all the items."""
+    plans, parts = [], []
+    for a, used, base, clean in items:
+        keep = min(clean, used, base.nbytes) // PAGE * PAGE if base is not None else 0
+        segments = tuple((f, off, at, min(length, keep - at)) for f, off, at, length in base.segments
+                         if at < keep) if keep else ()
+        if len(segments) >= MAX_SEGMENTS:  # the first (the oldest prefix, shared the widest) stays
+            segments = segments[:1]
+            keep = segments[0][2] + segments[0][3]
+        part = a.reshape(-1).view(np.uint8)[keep:used] if used > keep else None
+        plans.append((a, segments, keep, None if part is None else len(parts)))
+        if part is not None:
+            parts.append(memoryview(part))
+    f = _File(parts) if parts else None
+    out = []
+    for a, segments, keep, i in plans:
+        if i is not None:
+            segments += ((f, f.offsets[i], keep, -(-len(parts[i]) // PAGE) * PAGE),)
+        out.append(Frozen(a.shape, a.dtype, segments))
+    return out

@@ -23,7 +23,7 @@ def test_frozen_arrays_read_one_copy_and_write_their_own():
     a = np.zeros((300, 5, 7), np.float16)  # rows of 70 bytes: pages end inside rows
     a[:200] = rng.standard_normal((200, 5, 7))
     want = a.copy()
-    f = pages.freeze(a, 200 * a[0].nbytes)
+    f, = pages.freeze([(a, 200 * a[0].nbytes, None, 0)])
     b, c = f.array(), f.array()
     assert b.shape == a.shape and b.dtype == a.dtype
     assert np.array_equal(b, want) and np.array_equal(c, want)  # rows past the frozen ones are zeros
@@ -38,10 +38,10 @@ def test_frozen_arrays_read_one_copy_and_write_their_own():
 def test_freezing_again_reuses_the_clean_pages_and_bounds_the_files(monkeypatch):
     row = 64
     a = np.arange(4096 * row, dtype=np.uint8).reshape(4096, row)
-    base = pages.freeze(a, 1000 * row)
+    base, = pages.freeze([(a, 1000 * row, None, 0)])
     b = base.array()
     b[990:1500] = 7  # rows 0..989 still as in base
-    again = pages.freeze(b, 1500 * row, base, 990 * row)
+    again, = pages.freeze([(b, 1500 * row, base, 990 * row)])
     assert again.segments[0][0] is base.segments[0][0]  # the same file, not a copy
     assert again.segments[0][3] == 990 * row // PAGE * PAGE and again.segments[1][2] == again.segments[0][3]
     assert np.array_equal(again.array()[:1500], b[:1500])
@@ -50,7 +50,7 @@ def test_freezing_again_reuses_the_clean_pages_and_bounds_the_files(monkeypatch)
     for _ in range(4):  # every freeze adds a file; past the bound all but the first are merged
         arr[n:n + 100] = n % 251
         n += 100
-        f = pages.freeze(arr, n * row, f, (n - 100) * row)
+        f, = pages.freeze([(arr, n * row, f, (n - 100) * row)])
         assert len(f.segments) <= 3 and f.segments[0][0] is base.segments[0][0]
         arr = f.array()
         assert np.array_equal(arr[:n], np.concatenate([b[:1500]] + [np.full((100, row), m % 251, np.uint8)
@@ -75,6 +75,8 @@ def test_eight_forks_of_a_long_prefix_cost_one_copy_plus_their_tails():
     one = cache.used_nbytes
     before = pss_bytes()
     forks = [cache.fork() for _ in range(8)]
+    files = {id(f) for lk in cache.layers for a in lk.frozen.values() for f, *_ in a.segments}
+    assert len(files) == 1  # one descriptor for the whole cache, not one per array
     for i, f in enumerate(forks):
         _fill(f, 64, seed=10 + i, start=2048)
     grown = pss_bytes() - before
