@@ -190,34 +190,45 @@ def cmd_run(args) -> int:
 
 
 def _run_many(args, llm, prompts: list) -> int:
-    """Several prompts (--parallel of them at a time, decoded as one batch) or several samples
-    (--n-samples, one prefill each) or beams of each: every result printed whole under a label,
-    or (--json) one JSON object a line."""
+    """Several prompts (--parallel of them at a time: each worker thread takes the next prompt
+    as soon as its last is done, and the LLM's scheduler decodes what the threads have going as
+    one batch) or several samples (--n-samples, one prefill each) or beams of each: every result
+    printed whole under a label, in the prompts' order, or (--json) one JSON object a line."""
     import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     k, tty, style = args.n_samples, sys.stdout.isatty(), Style.for_stdout()
-    for g in range(0, len(prompts), args.parallel):
-        group = prompts[g : g + args.parallel]
-        if args.beams is not None:
-            done = [h for p in group for h in llm.beam_search(p, args.beams, max_tokens=args.max_tokens)[:k]]
-        else:
-            done = llm.generate_many(group, n=k, max_tokens=args.max_tokens, stop=args.stop or (),
+    if args.beams is not None:
+        results = (llm.beam_search(p, args.beams, max_tokens=args.max_tokens)[:k] for p in prompts)
+    else:
+        def one(p):
+            return llm.generate_many([p], n=k, max_tokens=args.max_tokens, stop=args.stop or (), cancel=cancel,
                                      **_sampling_args(args))
-        for r, c in enumerate(done):
-            j, i = g + r // k, r % k
-            score = getattr(c, "score", None)  # beams only
-            if args.json:
-                extra = {} if score is None else dict(score=round(score, 6))
-                print(json.dumps(dict(model=str(llm.path), prompt=j, sample=i, text=c.text, finish_reason=c.finish_reason,
-                                      **extra, **c.stats.as_dict())), flush=True)
-                continue
-            label = [f"prompt {j + 1}"] if len(prompts) > 1 else []
-            label += [f"beam {i + 1}, score {score:.4f}"] if score is not None else [f"sample {i + 1}"] if k > 1 else []
-            cut = cut_note(args.max_tokens, style) if tty and c.finish_reason == "length" else ""
-            if g + r:
-                print()  # a blank line between results
-            print(f"{style.note}--- {', '.join(label)} ---{style.reset}")
-            print((printable(c.text) if tty else c.text) + cut, flush=True)
+
+        cancel = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=args.parallel, thread_name_prefix="edgekv-run")
+        results = pool.map(one, prompts)
+    try:
+        for j, done in enumerate(results):
+            for i, c in enumerate(done):
+                score = getattr(c, "score", None)  # beams only
+                if args.json:
+                    extra = {} if score is None else dict(score=round(score, 6))
+                    print(json.dumps(dict(model=str(llm.path), prompt=j, sample=i, text=c.text,
+                                          finish_reason=c.finish_reason, **extra, **c.stats.as_dict())), flush=True)
+                    continue
+                label = [f"prompt {j + 1}"] if len(prompts) > 1 else []
+                label += [f"beam {i + 1}, score {score:.4f}"] if score is not None else [f"sample {i + 1}"] if k > 1 else []
+                cut = cut_note(args.max_tokens, style) if tty and c.finish_reason == "length" else ""
+                if j or i:
+                    print()  # a blank line between results
+                print(f"{style.note}--- {', '.join(label)} ---{style.reset}")
+                print((printable(c.text) if tty else c.text) + cut, flush=True)
+    finally:
+        if args.beams is None:
+            cancel.set()  # Ctrl-C or an error: the workers stop at their next token
+            pool.shutdown(wait=True, cancel_futures=True)
     return 0
 
 
@@ -699,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n-samples", type=positive_int, default=1, metavar="K",
                    help="K completions of each prompt from one prefill, decoded as one batch (sample i: --seed + i)")
     s.add_argument("--parallel", type=positive_int, default=1, metavar="N",
-                   help="decode N prompts at a time as one batch")
+                   help="decode up to N prompts at a time as one batch (the next starts as one finishes)")
     s.add_argument("--beams", type=positive_int, default=None, metavar="N",
                    help="beam search with N beams (no sampling; prints the best, or the --n-samples best)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

@@ -445,6 +445,46 @@ def prefill_forks(llm, seq: Sequence, prompt_ids: Seq[int], cancel: threading.Ev
     return [seq] + [seq.fork() for _ in stats[1:]], [logits] + [logits.copy() for _ in stats[1:]]
 
 
+def interleave(streams: list[Iterator[Event]], cancel: threading.Event) -> Iterator[tuple[int, Event]]:
+    """(i, event) of every stream as they come, each stream read in a thread of its own (so
+    their steps run as one batch). A stream's exception sets cancel (the others stop at their
+    next token) and is raised once all have ended; so does leaving the iterator early."""
+    import queue
+
+    q: queue.Queue = queue.Queue()
+
+    def read(i: int, events: Iterator[Event]) -> None:
+        err = None
+        try:
+            for e in events:
+                q.put((i, e, None))
+        except BaseException as exc:  # handed to the reader
+            err = exc
+        q.put((i, None, err or StopIteration))
+
+    threads = [threading.Thread(target=read, args=(i, events), name=f"edgekv-stream-{i}", daemon=True)
+               for i, events in enumerate(streams)]
+    for t in threads:
+        t.start()
+    live, error = len(threads), None
+    try:
+        while live:
+            i, e, end = q.get()
+            if end is None:
+                yield i, e
+                continue
+            live -= 1
+            if end is not StopIteration and error is None:
+                error = end
+                cancel.set()
+        if error is not None:
+            raise error
+    finally:
+        cancel.set()  # early exit: the rest stop at their next token
+        for t in threads:
+            t.join()
+
+
 def forks(llm, prompt_ids: Seq[int], samplers: list[Sampler], *, max_tokens: int, stop: Seq[str] = (),
           cancel: threading.Event | None = None, stats: list[Stats], keep: int = 0, remember: bool = False,
           logprobs: int | None = None) -> list[Iterator[Event]]:

@@ -296,36 +296,44 @@ class LLM:
         return tok.encode(rendered, add_bos=False if has_bos else None, special=True)
 
     def chat(self, messages: list[dict], *, stream: bool = False, max_tokens: int = 256, tools: list | None = None,
-             template_vars: dict | None = None, **kw):
+             template_vars: dict | None = None, n: int = 1, **kw):
         """OpenAI-style chat completion: messages [{"role", "content"}] -> a dict shaped like
         OpenAI's response, or (stream=True) an iterator of chunk dicts. Keywords as generate().
-        tools and template_vars (e.g. {"enable_thinking": False} for Qwen3) reach the chat template."""
+        tools and template_vars (e.g. {"enable_thinking": False} for Qwen3) reach the chat template.
+        n: choices of one prompt sharing its prefill (`streams`; choice i seeded seed + i)."""
+        import threading
         import time as _time
         import uuid
 
-        from .generate import Stats, usage
+        from .generate import Stats, interleave, usage
 
+        _check_n(n)
         ids, keep = self.chat_prompt(messages, tools=tools, template_vars=template_vars)
         head = dict(id="chatcmpl-" + uuid.uuid4().hex[:24], created=int(_time.time()), model=self.path.name)
-
-        st = Stats()  # ours: llm.stats may be another thread's call by the time we read it
-        events = self.generate(ids, max_tokens=max_tokens, stats=st, keep=keep, **kw)
+        st = [Stats() for _ in range(n)]  # ours: llm.stats may be another thread's call by the time we read it
+        if n == 1:
+            events = ((0, e) for e in self.generate(ids, max_tokens=max_tokens, stats=st[0], keep=keep, **kw))
+        else:
+            cancel = kw.pop("cancel", None) or threading.Event()
+            events = interleave(self.streams(ids, n, max_tokens=max_tokens, stats=st, keep=keep, cancel=cancel, **kw),
+                                cancel)
         if stream:
             def chunks():
                 yield dict(head, object="chat.completion.chunk",
-                           choices=[dict(index=0, delta={"role": "assistant"}, finish_reason=None)])
-                for e in events:
+                           choices=[dict(index=i, delta={"role": "assistant"}, finish_reason=None) for i in range(n)])
+                for i, e in events:
                     delta = {"content": e.text} if e.text else {}
                     yield dict(head, object="chat.completion.chunk",
-                               choices=[dict(index=0, delta=delta, finish_reason=e.finish_reason)])
+                               choices=[dict(index=i, delta=delta, finish_reason=e.finish_reason)])
             return chunks()
-        parts, reason = [], None
-        for e in events:
-            parts.append(e.text)
-            reason = e.finish_reason or reason
+        parts, reasons = [[] for _ in range(n)], [None] * n
+        for i, e in events:
+            parts[i].append(e.text)
+            reasons[i] = e.finish_reason or reasons[i]
         return dict(head, object="chat.completion",
-                    choices=[dict(index=0, message={"role": "assistant", "content": "".join(parts)}, finish_reason=reason)],
-                    usage=usage([st], [st]))
+                    choices=[dict(index=i, message={"role": "assistant", "content": "".join(parts[i])},
+                                  finish_reason=reasons[i]) for i in range(n)],
+                    usage=usage(st[:1], st))
 
     def chat_prompt(self, messages: list[dict], *, tools: list | None = None,
                     template_vars: dict | None = None) -> tuple[list[int], int]:

@@ -97,3 +97,26 @@ def test_streams_share_one_prefill_and_each_equals_generate(monkeypatch):
     assert all(s.prompt_tokens == n_prompt and s.prefill_tokens == n_prompt for s in stats)
     with pytest.raises(EdgekvError, match="n must be"):
         llm.streams(PROMPT, 0)
+
+
+def test_chat_with_n_gives_the_choices_of_seed_plus_i_streamed_or_not():
+    llm = llm_for("smollm2", "cpu", "int8", 128)
+    msgs = [{"role": "user", "content": "Name a color."}]
+    kw = dict(max_tokens=10, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    solo = [llm.chat(msgs, seed=5 + i, **kw) for i in range(3)]
+    got = llm.chat(msgs, n=3, seed=5, **kw)
+    assert [c["message"]["content"] for c in got["choices"]] == [r["choices"][0]["message"]["content"] for r in solo]
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert [c["finish_reason"] for c in got["choices"]] == [r["choices"][0]["finish_reason"] for r in solo]
+    u = got["usage"]
+    assert u["prompt_tokens"] == solo[0]["usage"]["prompt_tokens"]  # the prompt once, not n times
+    assert u["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in solo)
+    texts, reasons = ["", "", ""], [None] * 3
+    for chunk in llm.chat(msgs, n=3, seed=5, stream=True, **kw):
+        for c in chunk["choices"]:
+            texts[c["index"]] += c["delta"].get("content", "")
+            reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    assert texts == [c["message"]["content"] for c in got["choices"]]
+    assert reasons == [c["finish_reason"] for c in got["choices"]]
+    with pytest.raises(EdgekvError, match="n must be"):
+        llm.chat(msgs, n=0)
