@@ -244,6 +244,7 @@ HELP = """commands:
   /load FILE       continue a saved session
   /stats           speed of the last reply, tokens prefilled and cached this turn, KV use
   /kv              cache type, capacity and fill
+  /history         the conversation so far (with --summarize: the summary of the folded turns first)
   /exit            quit (Ctrl-D works too)
 Ctrl-C stops the current reply and keeps the chat. End a line with \\ to continue on the next."""
 
@@ -341,7 +342,7 @@ def cmd_chat(args) -> int:
     first = read_text_file(args.file) if args.file is not None else None
     llm = load(args.model or DEFAULT_MODEL, progress=True, **_load_args(args))
     prepare(llm)  # compile what the chat needs now, behind a bar, not in its first turns
-    sess = llm.session(system=args.system, max_tokens=args.max_tokens, **_sampling_args(args))
+    sess = llm.session(system=args.system, max_tokens=args.max_tokens, summarize=args.summarize, **_sampling_args(args))
     chat = Chat(llm, sess, stop=args.stop or (), style=Style.for_stdout())
     print(f"edgekv chat: {llm.path.name} ({llm.cfg.arch}, kv {llm.kv_type}, ctx {llm.n_ctx}). /help for commands.", flush=True)
     while True:
@@ -445,6 +446,16 @@ class Chat:
     def _kv(self, arg):
         print(_kv_line(self.sess))
 
+    def _history(self, arg):
+        sess = self.sess
+        if sess.summary:
+            print(f"{self.style.note}[summary of {sess.folded} earlier turn{'s' if sess.folded != 1 else ''}]"
+                  f"{self.style.reset} {printable(sess.summary)}")
+        for m in sess.history:
+            print(f"{self.style.note}{m['role']}:{self.style.reset} {printable(m['content'])}")
+        if not sess.summary and not sess.history:
+            print("(nothing said yet)")
+
     def _save(self, arg):
         if not arg:
             print("usage: /save FILE")
@@ -462,7 +473,7 @@ class Chat:
         print(f"(loaded {arg}: {len(self.sess.history)} messages, {self.sess.n_cached} tokens cached)")
 
     COMMANDS = {"/help": _help, "/reset": _reset, "/regen": _regen, "/undo": _undo, "/system": _system,
-                "/stats": _stats, "/kv": _kv, "/save": _save, "/load": _load}
+                "/stats": _stats, "/kv": _kv, "/history": _history, "/save": _save, "/load": _load}
 
 
 def cmd_warmup(args) -> int:
@@ -726,6 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest reply in tokens; a longer one is cut and marked (run's default is 128)")
     s.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
     s.add_argument("-f", "--file", default=None, metavar="FILE", help="send the text of FILE as the first message")
+    s.add_argument("--summarize", action="store_true",
+                   help="before the conversation outgrows the context, fold its oldest turns into a summary "
+                        "(/history shows it) instead of letting the ring drop them")
     _add_load_args(s)
     _add_sampling_args(s, 0.7, "sampled by default, for varied replies; run's is 0")
 

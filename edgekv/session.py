@@ -1,5 +1,13 @@
 """ChatSession: a conversation that keeps its KV cache between turns, so each new turn
-prefills only the tokens the cache does not already hold."""
+prefills only the tokens the cache does not already hold.
+
+Summarize mode (summarize=True, `edgekv chat --summarize`): before a turn would not fit the
+context (its prompt and max_tokens of reply past n_ctx, where the ring would start dropping the
+oldest tokens after the sinks), the model writes a short summary of the oldest half of the
+finished turns (and of the summary before, if any); the summary goes into the system prompt
+and those turns leave the conversation, so the cache is rebuilt from the summary on (the
+system prompt changed: `Sequence.reuse` keeps what comes before the change). The ring then
+never drops a turn the model has not summarized."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +28,7 @@ class ChatSession:
     share one LLM (the weights), each with its own cache."""
 
     def __init__(self, llm, system: str | None = None, *, max_tokens: int = 512, template_vars: dict | None = None,
-                 **sampling):
+                 summarize: bool = False, **sampling):
         self.llm = llm
         self.system = system
         # the chat template's own switches (Qwen3's enable_thinking, Llama 3.1's date_string, ...)
@@ -34,11 +42,16 @@ class ChatSession:
         self.stats = Stats()
         self._lock = threading.Lock()
         self._cached_text: str | None = None  # the text seq.tokens stands for, when known
+        self.summarize = bool(summarize)
+        self.summary: str | None = None  # what the turns folded so far said (summarize mode)
+        self.folded = 0  # turns (user message + reply) the summary stands for
 
     def messages(self) -> list[dict]:
         """The conversation as the template sees it: the system prompt (if any), then history."""
-        sys = [{"role": "system", "content": self.system}] if self.system else []
-        return sys + self.history
+        text = self.system or ""
+        if self.summary:
+            text += ("\n\n" if text else "") + SUMMARY_HEAD + self.summary
+        return ([{"role": "system", "content": text}] if text else []) + self.history
 
     def _render(self) -> str:
         return self.llm.template.render(self.messages(), add_generation_prompt=True, **self.template_vars)
@@ -73,6 +86,8 @@ class ChatSession:
             self.history.append({"role": "user", "content": text})
             try:
                 ids = self._prompt_ids()
+                while self.summarize and len(ids) + max_tokens > self.llm.n_ctx and self._fold():
+                    ids = self._prompt_ids()
                 rendered = self._render()
                 keep = system_prefix(self.llm, self.messages(), ids, template_vars=self.template_vars)
             except BaseException:  # Ctrl-C too: a user turn without a reply would break alternation
@@ -101,6 +116,31 @@ class ChatSession:
                 if whole:
                     self._cached_text = rendered + self.llm.tokenizer.decode(fed)
 
+    def _fold(self) -> bool:
+        """Summarize the oldest half of the finished turns (at least one) into `summary`; False
+        when there is no finished turn to fold. The summary is the model's greedy answer to a
+        chat asking for it (a Sequence of its own: the conversation's cache is not touched)."""
+        turns = (len(self.history) - 1) // 2  # the last message is the user's new one
+        if turns < 1:
+            return False
+        k = max(1, turns // 2)
+        old, self.history = self.history[: 2 * k], self.history[2 * k:]
+        lines = [f"Summary so far: {self.summary}"] if self.summary else []
+        lines += [f"{m['role'].capitalize()}: {m['content']}" for m in old]
+        while True:  # what does not fit the context with the summary's room: the oldest lines, then halves
+            ask = [{"role": "system", "content": SUMMARY_SYSTEM},
+                   {"role": "user", "content": SUMMARY_ASK + "\n\n" + "\n".join(lines)}]
+            ids = self.llm.chat_ids(self.llm.template.render(ask, add_generation_prompt=True, **self.template_vars))
+            if len(ids) + SUMMARY_TOKENS <= self.llm.n_ctx or not lines[0]:
+                break
+            lines = lines[1:] if len(lines) > 1 else [lines[0][len(lines[0]) // 2:]]
+        events = generate(self.llm, Sequence(self.llm), ids, Sampler(SamplingParams(temperature=0.0),
+                          self.llm.cfg.n_vocab), max_tokens=SUMMARY_TOKENS)
+        self.summary = "".join(e.text for e in events).strip() or self.summary
+        self.folded += k
+        self._cached_text = None
+        return True
+
     def regenerate(self, **kw):
         """Drop the last reply and answer the last user message again (the cache rolls back)."""
         if len(self.history) < 2 or self.history[-1]["role"] != "assistant":
@@ -127,6 +167,7 @@ class ChatSession:
         if system is not ...:
             self.system = system
         self.history = []
+        self.summary, self.folded = None, 0
         self.seq.reset()
         self._cached_text = None
 
@@ -146,7 +187,7 @@ class ChatSession:
             header = dict(
                 format=SESSION_FORMAT, version=SESSION_VERSION, model=self.llm.identity, kv=self.llm.kv_type,
                 n_ctx=self.llm.n_ctx, system=self.system, history=self.history, max_tokens=self.max_tokens,
-                template_vars=self.template_vars,
+                template_vars=self.template_vars, summarize=self.summarize, summary=self.summary, folded=self.folded,
                 tokens=self.seq.tokens, cached_text=self._cached_text, sampling=params, sampler=self.sampler.state(),
             )
             sync = getattr(self.llm.backend, "sync_to_host", None)  # a GPU backend holds the rings
@@ -185,7 +226,12 @@ class ChatSession:
             template_vars = h.get("template_vars", {})  # absent in files of before 2026-12
             if not isinstance(template_vars, dict):
                 raise ValueError("template_vars")
-            sess = cls(llm, h["system"], max_tokens=int(h["max_tokens"]), template_vars=template_vars, **sampling)
+            summary, folded = h.get("summary"), h.get("folded", 0)  # absent before summarize mode
+            if not (summary is None or isinstance(summary, str)) or not isinstance(folded, int) or folded < 0:
+                raise ValueError("summary")
+            sess = cls(llm, h["system"], max_tokens=int(h["max_tokens"]), template_vars=template_vars,
+                       summarize=bool(h.get("summarize", False)), **sampling)
+            sess.summary, sess.folded = summary, folded
             sess.sampler = Sampler.from_state(sess.params, llm.cfg.n_vocab, h["sampler"])
             sess.history = [dict(role=str(m["role"]), content=str(m["content"])) for m in h["history"]]
             tokens = [int(t) for t in h["tokens"]]
@@ -202,6 +248,10 @@ class ChatSession:
         return sess
 
 
+SUMMARY_TOKENS = 128  # the most a summary may take
+SUMMARY_HEAD = "Summary of the earlier conversation: "
+SUMMARY_SYSTEM = "You summarize conversations. Keep names, numbers, facts and decisions; leave out pleasantries."
+SUMMARY_ASK = "Summarize this conversation in a few sentences."
 SESSION_MAGIC = b"EDGEKVS\x00"
 SESSION_FORMAT = "edgekv-session"
 # 2: int scales, exact recent slots, key offset and channel weights saved too

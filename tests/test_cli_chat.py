@@ -155,3 +155,46 @@ def test_typed_text_is_coloured_on_a_terminal(no_color):
     assert t.wait() == 0
     coloured = "\x1b[1;32m> " in t.screen and "\x1b[0m" in t.screen
     assert coloured != no_color, repr(t.screen[-500:])
+
+
+def test_summarize_folds_the_oldest_turns_before_the_context_is_outgrown(capsys, tmp_path):
+    """A chat of n_ctx 512 that would outgrow it: the oldest turns become a summary (the model's
+    greedy answer to the summary request, checked against that request made directly), the ring
+    never wraps, /history shows the summary, and the next turn's cache holds the conversation with
+    the summary in its system prompt (the cache rebuilt from the summary)."""
+    from edgekv.sampling import Sampler, SamplingParams
+    from edgekv.generate import Sequence, generate
+    from edgekv.session import SUMMARY_ASK, SUMMARY_SYSTEM
+
+    llm = get_llm("smollm2", n_ctx=512)
+    chat = _chat(capsys, max_tokens=48, summarize=True)
+    sess = chat.sess
+    words = ["apples", "rivers", "engines", "castles", "violins", "deserts", "comets", "glaciers"]
+    seen = []
+    for w in words:
+        before = [dict(m) for m in sess.history]
+        _say(chat, f"Write two sentences about {w}.", capsys)
+        assert all(lk.n_written <= lk.capacity for lk in sess.seq.cache.layers)  # nothing dropped by the ring
+        if sess.summary and not seen:
+            seen, first_summary = before, sess.summary  # the turns as they were before the first fold
+    assert sess.folded >= 1 and sess.summary
+    # the first summary is what the model answers to the request over the folded turns
+    turns = (len(seen) + 1 - 1) // 2
+    k = max(1, turns // 2)
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in seen[: 2 * k]]
+    ask = [{"role": "system", "content": SUMMARY_SYSTEM}, {"role": "user", "content": SUMMARY_ASK + "\n\n" + "\n".join(lines)}]
+    ids = llm.chat_ids(llm.template.render(ask, add_generation_prompt=True))
+    first = "".join(e.text for e in generate(llm, Sequence(llm), ids, Sampler(SamplingParams(temperature=0.0),
+                                                                                 llm.cfg.n_vocab), max_tokens=128)).strip()
+    out = _say(chat, "/history", capsys)
+    assert out.startswith(f"[summary of {sess.folded} earlier turn") and sess.summary in out
+    assert "user: Write two sentences about glaciers." in out
+    assert first_summary == first
+    # the next turn runs on a cache rebuilt from the summary: it holds the summarized conversation
+    folded, msgs = sess.folded, sess.messages() + [{"role": "user", "content": "And one about moons."}]
+    want = llm.chat_ids(llm.template.render(msgs, add_generation_prompt=True))
+    _say(chat, "And one about moons.", capsys)
+    assert sess.folded == folded and sess.seq.tokens[: len(want)] == want
+    sess.save(tmp_path / "s.session")  # a saved session keeps its summary
+    back = type(sess).load(tmp_path / "s.session", llm)
+    assert (back.summary, back.folded, back.summarize, back.messages()) == (sess.summary, folded, True, sess.messages())
