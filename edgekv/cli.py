@@ -170,7 +170,8 @@ def cmd_run(args) -> int:
 
     prompts = _run_prompts(args)
     llm = load(args.model, progress=not args.quiet, **_load_args(args))
-    prepare(llm, progress=not args.quiet)  # a fresh install compiles first: say so, behind a bar
+    # a fresh install compiles first, behind a bar; a warm one loads only the kernels this run calls
+    prepare(llm, progress=not args.quiet, load=False)
     if len(prompts) > 1 or args.n_samples > 1 or args.beams is not None:
         return _run_many(args, llm, [_run_input(llm, args, p)[0] for p in prompts])
     prompt_in, keep = _run_input(llm, args, prompts[0])

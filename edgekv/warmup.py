@@ -280,28 +280,28 @@ def _compile_in_workers(bar: _Bar, n_workers: int) -> None:
 _loaded = False  # this process has run the groups: every kernel is loaded
 
 
-def prepare(llm=None, *, progress: bool = True, workers: int | None = None, force: bool = False) -> int:
+def prepare(llm=None, *, progress: bool = True, workers: int | None = None, force: bool = False,
+            load: bool = True) -> int:
     """Compile every CPU kernel a chat calls unless numba's disk cache holds them all (or
     force), and load them into this process (once), so that no turn pauses to compile or to
-    load one; with progress, a bar on stderr says when it compiles. llm: the chat's model, only
-    to skip a GPU one (the CUDA backend compiles its own kernels). workers: processes compiling
-    side by side (default: one per CPU, at most one per group; 1 compiles here). Returns the
-    kernels compiled in this process (0 when the cache was warm or the workers filled it)."""
+    load one; with progress, a bar on stderr says when it compiles. load=False: on a warm cache
+    leave loading to each kernel's first call (a one-shot run needs only some of them). llm:
+    the chat's model, only to skip a GPU one (the CUDA backend compiles its own kernels).
+    workers: processes compiling side by side (default: one per CPU, at most one per group; 1
+    compiles here). Returns the kernels compiled in this process (0 when the cache was warm or
+    the workers filled it)."""
     global _loaded
     from .backends.cpu import CPUBackend
 
     if llm is not None and not isinstance(llm.backend, CPUBackend):
         return 0
-    be = llm.backend if llm is not None else CPUBackend(threads=None)
-    if not (force or cold()):
-        if not _loaded:  # numba reads each kernel's machine code on its first call: now, not in the first prompt
-            for g in GROUPS:
-                run_group(g[0], be)
-            _loaded = True
+    warm = not (force or cold())
+    if warm and (_loaded or not load):
         return 0
+    be = llm.backend if llm is not None else CPUBackend(threads=None)
     n_workers = _workers() if workers is None else workers
-    bar = _Bar(progress)
-    if n_workers > 1:
+    bar = _Bar(progress and not warm)  # numba reads each kernel's machine code on its first call: now
+    if not warm and n_workers > 1:
         _compile_in_workers(bar, n_workers)
         bar.show(0.99, "loading")
     total = sum(g[2] for g in GROUPS)
@@ -311,7 +311,8 @@ def prepare(llm=None, *, progress: bool = True, workers: int | None = None, forc
                 bar.show(sum(x[2] for x in GROUPS[:i]) / total, g[1])
             run_group(g[0], be)  # after the workers: loads from the disk cache
     _loaded = True
-    bar.close("ready (cached)")
+    if not warm:
+        bar.close("ready (cached)")
     return len(compiled)
 
 
