@@ -336,10 +336,15 @@ class LayerKV:
             {name: getattr(self, name)[:m] if name in self.slot_arrays else getattr(self, name) for name in LAYER_ARRAYS}
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray], n_tokens: int, every_slot: bool = False) -> None:
-        """Take a `state` of a conversation of n_tokens; every_slot: the arrays hold every slot,
-        filled or not (session files of version 2). ValueError (and nothing changed) unless every
-        array has this layer's shape and dtype (the per-slot ones cut at the fill) and every
-        position lies in -1 .. n_tokens - 1."""
+        """Take a `state` of a conversation of n_tokens (`checked`, then copied in)."""
+        self.take_state(*self.checked(meta, arrays, n_tokens, every_slot))
+
+    def checked(self, meta: dict, arrays: dict[str, np.ndarray], n_tokens: int,
+                every_slot: bool = False) -> tuple[int, dict[str, np.ndarray]]:
+        """(n_written, the arrays cut to what this layer takes) of a `state` of a conversation of
+        n_tokens; every_slot: the arrays hold every slot, filled or not (session files of version
+        2). ValueError unless every array has this layer's shape and dtype (the per-slot ones cut
+        at the fill) and every position lies in -1 .. n_tokens - 1. Changes nothing."""
         n_written = int(meta["n_written"])
         if n_written < 0:
             raise ValueError("negative n_written")
@@ -357,9 +362,19 @@ class LayerKV:
         for name in ("pos", "rpos"):
             if arrays[name].size and not -1 <= arrays[name].min() <= arrays[name].max() < n_tokens:
                 raise ValueError(f"{name} out of range")
+        return n_written, arrays
+
+    def take_state(self, n_written: int, arrays: dict[str, np.ndarray], frozen: dict | None = None) -> None:
+        """Hold a `checked` state: its arrays copied in, or with frozen (its slot arrays frozen,
+        pages.freeze) those mapped instead of copied."""
         for name in LAYER_ARRAYS:
-            getattr(self, name)[: len(arrays[name])] = arrays[name]
-        self.n_written, self.clean = n_written, 0
+            if frozen is not None and name in frozen:
+                setattr(self, name, frozen[name].array())
+            else:
+                getattr(self, name)[: len(arrays[name])] = arrays[name]
+        self.n_written, self.frozen = n_written, frozen
+        self.clean = self.fill if frozen is not None else 0
+        self.backend_state = None if frozen is not None else self.backend_state
         live = self.rpos[self.first:][self.rpos[self.first:] >= 0]
         self.exact_from = int(live.min()) if len(live) else -1
         self.epoch += 1
@@ -403,6 +418,20 @@ def freeze(layers: list[LayerKV]) -> list[dict | None]:
     except OSError:  # out of descriptors or mappings: what is not frozen yet is copied instead
         pass
     return [lk.frozen if lk.frozen is not None and lk.clean >= lk.fill else None for lk in layers]
+
+
+def take_frozen(layers: list[LayerKV], states: list[tuple]) -> None:
+    """Each layer takes its `checked` state (n_written, arrays), the slot arrays frozen straight
+    from the given ones into one file and mapped (a loaded prompt-cache file: one copy, shared
+    by whatever adopts these layers later); copied in where pages cannot be shared."""
+    items = [(arrays[name], arrays[name].nbytes, None, 0, getattr(lk, name).shape)
+             for lk, (_, arrays) in zip(layers, states) for name in lk.slot_arrays]
+    try:
+        made = iter(pages.freeze(items)) if pages.SUPPORTED else None
+    except OSError:
+        made = None
+    for lk, (n_written, arrays) in zip(layers, states):
+        lk.take_state(n_written, arrays, None if made is None else {name: next(made) for name in lk.slot_arrays})
 
 
 def lazy_zeros(shape: tuple, dtype) -> np.ndarray:

@@ -92,26 +92,26 @@ class Frozen:
 
 
 def freeze(items: list[tuple]) -> list[Frozen]:
-    """Frozen of each (a, used, base, clean): a C-contiguous array's first `used` bytes. When a
-    was made from `base` (or None) and its first `clean` bytes are as base has them, base's
-    whole pages among those are reused and only the bytes after them are copied, into one new
-    file for all the items."""
+    """Frozen of each (a, used, base, clean[, shape]): an array's first `used` bytes, for arrays
+    of a's shape (or of `shape`: a holds their first rows). When a was made from `base` (or
+    None) and its first `clean` bytes are as base has them, base's whole pages among those are
+    reused and only the bytes after them are copied, into one new file for all the items."""
     plans, parts = [], []
-    for a, used, base, clean in items:
+    for a, used, base, clean, *shape in items:
         keep = min(clean, used, base.nbytes) // PAGE * PAGE if base is not None else 0
         segments = tuple((f, off, at, min(length, keep - at)) for f, off, at, length in base.segments
                          if at < keep) if keep else ()
         if len(segments) >= MAX_SEGMENTS:  # the first (the oldest prefix, shared the widest) stays
             segments = segments[:1]
             keep = segments[0][2] + segments[0][3]
-        part = a.reshape(-1).view(np.uint8)[keep:used] if used > keep else None
-        plans.append((a, segments, keep, None if part is None else len(parts)))
+        part = np.ascontiguousarray(a).reshape(-1).view(np.uint8)[keep:used] if used > keep else None
+        plans.append((shape[0] if shape else a.shape, a.dtype, segments, keep, None if part is None else len(parts)))
         if part is not None:
             parts.append(memoryview(part))
     f = _File(parts) if parts else None
     out = []
-    for a, segments, keep, i in plans:
+    for shape, dtype, segments, keep, i in plans:
         if i is not None:
             segments += ((f, f.offsets[i], keep, -(-len(parts[i]) // PAGE) * PAGE),)
-        out.append(Frozen(a.shape, a.dtype, segments))
+        out.append(Frozen(shape, dtype, segments))
     return out

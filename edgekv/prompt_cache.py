@@ -35,7 +35,7 @@ import numpy as np
 
 from .errors import PromptCacheError
 from .kvcache import LAYER_ARRAYS, KVCache
-from .kvfile import cache_arrays, load_cache, read_file, write_file
+from .kvfile import cache_arrays, load_cache, raw_body, read_file, write_file
 
 MIN_TOKENS = 256  # a chat system prompt this long is prefilled alone and kept on disk
 # A part of a prompt another call computed is taken only from this many tokens on: a restored
@@ -46,7 +46,7 @@ DEFAULT_MEMORY = 256 * 2**20  # bytes of snapshots kept in memory
 DEFAULT_DISK = 2**30  # bytes of files under $EDGEKV_HOME/prompt-cache
 MAGIC = b"EDGEKVP\x00"
 FORMAT = "edgekv-prompt-cache"
-VERSION = 1
+VERSION = 2  # 2: raw arrays (kvfile's raw body), checksum over the body
 SUFFIX = ".ekvp"
 
 
@@ -69,12 +69,11 @@ class Entry:
         self.nbytes = self.cache.used_nbytes + (self.logits.nbytes if self.logits is not None else 0)
 
 
-def _checksum(arrays) -> str:
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
-        h.update(a.reshape(-1).view(np.uint8))
+def _checksum(index, parts) -> str:
+    """sha256 of a raw body's index and bytes (kvfile.raw_body's parts, or the body read back)."""
+    h = hashlib.sha256(json.dumps(index).encode())
+    for part in parts:
+        h.update(part)
     return h.hexdigest()
 
 
@@ -158,18 +157,17 @@ class PromptCache:
             found = self._find_on_disk(ids, limit, limit - 1 if exact else max(n, have + self.min_reuse - 1))
         if found is not None:
             tokens, metas, arrays = found
-            try:
-                load_cache(seq.cache, metas, arrays, len(tokens))  # shapes, dtypes, ranges
+            cache = self.llm.new_cache()
+            try:  # shapes, dtypes, ranges checked; the file's arrays frozen straight into shared pages
+                load_cache(cache, metas, arrays, len(tokens), share=True)
             except ValueError as e:
-                seq.reset()
                 self._warn(self._names(tokens, len(tokens))[-1], f"an entry is corrupt: {e}; not used")
-                return 0, "", None
-            entry, n, source = Entry(tokens, seq.cache.fork()), len(tokens), "disk"
+                return have, "", None
+            entry, n, source = Entry(tokens, cache), len(tokens), "disk"
             self._keep(entry)
         elif entry is None:
             return have, "", None
-        else:
-            seq.cache.adopt(entry.cache)
+        seq.cache.adopt(entry.cache)
         if n < len(entry.tokens):
             seq.cache.trim(n)
         seq.tokens = list(ids[:n])
@@ -252,7 +250,7 @@ class PromptCache:
                 data = path.read_bytes()
             except OSError as e:
                 raise PromptCacheError(f"cannot read it: {e.strerror or e}") from None
-            h, arrays, _ = read_file(data, MAGIC, path.name, "prompt-cache", PromptCacheError)
+            h, arrays, body = read_file(data, MAGIC, path.name, "prompt-cache", PromptCacheError, raw=True)
             if h.get("format") != FORMAT or h.get("version") != VERSION:
                 raise PromptCacheError(f"{path.name} is not an edgekv prompt-cache file of version {VERSION}")
             if h.get("model") != llm.identity:
@@ -263,8 +261,8 @@ class PromptCache:
                 tokens = tuple(int(t) for t in h["tokens"])
                 if tokens != tuple(int(t) for t in ids):
                     raise ValueError("its tokens are not the prefix its name stands for")
-                packed = {k: arrays[k] for k in arrays.files}
-                if h.get("arrays_sha256") != _checksum(packed):
+                packed = arrays
+                if h.get("arrays_sha256") != _checksum(h["arrays"], [body]):
                     raise ValueError("its arrays do not match their checksum")
                 metas = h["layers"]
                 if not isinstance(metas, list) or any(not isinstance(m, dict) or m.get("n_written") != len(tokens)
@@ -290,11 +288,11 @@ class PromptCache:
                 return
             d.mkdir(parents=True, exist_ok=True)
             llm = self.llm
-            packed = _pack(arrays, len(metas))
+            index, parts = raw_body(_pack(arrays, len(metas)))
             header = dict(format=FORMAT, version=VERSION, model=llm.identity, kv=llm.kv_type, n_ctx=llm.n_ctx,
-                          n_sink=llm.n_sink, tokens=list(tokens), layers=metas,
-                          arrays_sha256=_checksum(packed))
-            write_file(path, MAGIC, header, packed)
+                          n_sink=llm.n_sink, tokens=list(tokens), layers=metas, arrays=index,
+                          arrays_sha256=_checksum(index, parts))
+            write_file(path, MAGIC, header, parts=parts)
             self._evict(d, keep=path.name)
         except OSError as e:  # a full disk, a read-only home: the chat goes on without it
             self._warn(path.name, f"cannot write {path}: {e.strerror or e}")

@@ -189,18 +189,19 @@ def _entry(tmp_path):
 
 
 def _rewrite(path, header=lambda h: None, arrays=lambda a: None):
-    """path's entry rewritten with a changed header or changed arrays (checksum recomputed)."""
-    data = path.read_bytes()
-    n = struct.unpack_from("<Q", data, 8)[0]
-    h = json.loads(data[16:16 + n])
-    import io
+    """path's entry rewritten with a changed header or changed arrays (index and checksum
+    recomputed, unless `arrays` returns False)."""
+    from edgekv.errors import PromptCacheError
+    from edgekv.kvfile import raw_body, read_file
 
-    npz = np.load(io.BytesIO(data[16 + n:]))
-    a = {k: npz[k] for k in npz.files}
-    if arrays(a) is not False:
-        h["arrays_sha256"] = pcm._checksum(a)
+    h, views, _ = read_file(path.read_bytes(), pcm.MAGIC, path.name, "prompt-cache", PromptCacheError, raw=True)
+    a = {k: np.array(v) for k, v in views.items()}
+    keep = arrays(a) is False
+    index, parts = raw_body(a)
+    if not keep:
+        h["arrays"], h["arrays_sha256"] = index, pcm._checksum(index, parts)
     header(h)
-    write_file(path, pcm.MAGIC, h, a)
+    write_file(path, pcm.MAGIC, h, parts=parts)
 
 
 def test_bad_files_on_disk_are_ignored_with_one_warning(tmp_path, recwarn):
@@ -222,6 +223,10 @@ def test_bad_files_on_disk_are_ignored_with_one_warning(tmp_path, recwarn):
         "a layer short": lambda: _rewrite(path, arrays=lambda a: a.update(v=a["v"][1:])),
         "positions out of range": lambda: _rewrite(path, arrays=lambda a: a["pos"].__setitem__((2, 0), 10**6)),
         "not its tokens": lambda: _rewrite(path, header=lambda h: h["tokens"].__setitem__(-1, 7)),
+        "an object array": lambda: _rewrite(path, header=lambda h: h["arrays"][0].__setitem__(1, "|O")),
+        "an array past the end": lambda: _rewrite(path, header=lambda h: h["arrays"][-1].__setitem__(3, 10**12)),
+        "a negative shape": lambda: _rewrite(path, header=lambda h: h["arrays"][1][2].__setitem__(0, -1)),  # v
+        "no index": lambda: _rewrite(path, header=lambda h: h.pop("arrays")),
     }
     for what, damage in damages.items():
         path.write_bytes(good)
