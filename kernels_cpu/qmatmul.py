@@ -43,9 +43,9 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       _quad_iq4_nl, _quad_q4_0, _quad_q4_1, _quad_q4_k, _quad_q5_0, _quad_q5_1, _quad_q5_k, _quad_q8_0,
                       _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
-from .simd import (_PMADDUBSW, _VPDPBUSD, at, cat, cvt, dot4, dot4acc, fma, half, hmax, hsum, lane, ld, ld_f16, madd,
-                   madd_acc, maddubs, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax, vmul, vrint,
-                   vsub)
+from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, fma, half, hmax, hsum, lane, ld, ld_f16, madd,
+                   madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax, vmul, vmul_kept,
+                   vrint, vsub)
 
 SUPPORTED = qt.CPU_TYPES
 _FLOAT_TYPES = qt.FLOAT_TYPES
@@ -225,6 +225,87 @@ def _dot_32x2(w, ro, xq, xo, yo, xd, xsum, xoff, bo, co, nb, block, quad, nbytes
 
 
 @njit(fastmath=True, inline="always")
+def _pass_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, quad, nbytes, par, scr, so):
+    """One of _dot_32's two group accumulators (groups par, par + 2, ...) of the rows at ro and
+    ro + rb for the tokens at xo, xo + k, ... (blocks at bo, bo + nb, ...), stored to scr at so
+    (row-major 2 x 4, 16 lanes each): each group unpacked once for the 4 tokens, each token's
+    activations and scales loaded once for both rows (LLVM shares them)."""
+    a0, a1, a2, a3 = _zeros_32()  # row 0, tokens 0..3
+    b0, b1, b2, b3 = _zeros_32()  # row 1
+    for g in range(par, nb // 4, 2):
+        o = ro + 4 * nbytes * g
+        if par == 0:  # both groups of each pair, for both rows
+            for p in range(0, 8 * nbytes, 64):
+                prefetch(w, o + _PF + p)
+                prefetch(w, o + rb + _PF + p)
+        lo, hi, d, m = quad(w, o)
+        lp, hp, dp, mp = quad(w, o + rb)
+        a0, _ = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, a0, a0, False)
+        b0, _ = _group_32(lp, hp, dp, mp, xq, xo, xd, xsum, xoff, bo, g, b0, b0, False)
+        a1, _ = _group_32(lo, hi, d, m, xq, xo + k, xd, xsum, xoff, bo + nb, g, a1, a1, False)
+        b1, _ = _group_32(lp, hp, dp, mp, xq, xo + k, xd, xsum, xoff, bo + nb, g, b1, b1, False)
+        a2, _ = _group_32(lo, hi, d, m, xq, xo + 2 * k, xd, xsum, xoff, bo + 2 * nb, g, a2, a2, False)
+        b2, _ = _group_32(lp, hp, dp, mp, xq, xo + 2 * k, xd, xsum, xoff, bo + 2 * nb, g, b2, b2, False)
+        a3, _ = _group_32(lo, hi, d, m, xq, xo + 3 * k, xd, xsum, xoff, bo + 3 * nb, g, a3, a3, False)
+        b3, _ = _group_32(lp, hp, dp, mp, xq, xo + 3 * k, xd, xsum, xoff, bo + 3 * nb, g, b3, b3, False)
+    _store8(scr, so, a0, a1, a2, a3, b0, b1, b2, b3)
+
+
+@njit(fastmath=True, inline="always")
+def _mins_2x4(w, ro, rb, xsum, bo, nb, quad, nbytes, par, scr, so):
+    """_pass_2x4 for one of _dot_32's two minimum accumulators (types with a min)."""
+    a0, a1, a2, a3 = _zeros_32()
+    b0, b1, b2, b3 = _zeros_32()
+    for g in range(par, nb // 4, 2):
+        o = ro + 4 * nbytes * g
+        m = quad(w, o)[3]
+        mp = quad(w, o + rb)[3]
+        a0, b0 = _min_32(m, xsum, bo, g, a0), _min_32(mp, xsum, bo, g, b0)
+        a1, b1 = _min_32(m, xsum, bo + nb, g, a1), _min_32(mp, xsum, bo + nb, g, b1)
+        a2, b2 = _min_32(m, xsum, bo + 2 * nb, g, a2), _min_32(mp, xsum, bo + 2 * nb, g, b2)
+        a3, b3 = _min_32(m, xsum, bo + 3 * nb, g, a3), _min_32(mp, xsum, bo + 3 * nb, g, b3)
+    _store8(scr, so, a0, a1, a2, a3, b0, b1, b2, b3)
+
+
+@njit(fastmath=True, inline="always")
+def _store8(scr, so, a0, a1, a2, a3, b0, b1, b2, b3):
+    st(scr, so, a0)
+    st(scr, so + 16, a1)
+    st(scr, so + 32, a2)
+    st(scr, so + 48, a3)
+    st(scr, so + 64, b0)
+    st(scr, so + 80, b1)
+    st(scr, so + 96, b2)
+    st(scr, so + 112, b3)
+
+
+@njit(fastmath=True, inline="always")
+def _tile_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min, out, t, c, scr):
+    """out[t : t + 4, c : c + 2] for the rows at ro, ro + rb and tokens t .. t + 3 (at xo, bo),
+    each _dot_32's result with its bits: one pass per accumulator of _dot_32 (even groups, odd
+    groups; then the mins' two) keeps 8 accumulators live, not 32 (in 32 registers), their sums
+    parked in scr (4 x 8 x 16 float32)."""
+    for par in range(2):
+        _pass_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, quad, nbytes, par, scr, 128 * par)
+    z = splat(f32(0), 16)
+    for par in range(2):
+        if has_min:
+            _mins_2x4(w, ro, rb, xsum, bo, nb, quad, nbytes, par, scr, 256 + 128 * par)
+        else:
+            _store8(scr, 256 + 128 * par, z, z, z, z, z, z, z, z)
+    for i in range(8):  # (row, token) of the tile: the last blocks and the total
+        r, j = ro + rb * (i // 4), i % 4
+        y, yb = xo + j * k, bo + j * nb
+        mins = f32(0)
+        tail = splat(f32(0), 8)
+        for b in range(nb // 4 * 4, nb):
+            q, off, d, m = block(w, r + nbytes * b)
+            tail, mins = _block_32(q, d, m, xq, y, xd, xsum, xoff, yb, b, tail, mins)
+        out[t + j, c + i // 4] = _total_32(ld(scr, 16 * i, 16), ld(scr, 128 + 16 * i, 16), ld(scr, 256 + 16 * i, 16),
+                                           ld(scr, 384 + 16 * i, 16), tail, mins)
+
+
+@njit(fastmath=True, inline="always")
 def _zeros_32():
     """_dot_32's accumulators: two for the groups' products, two for their minimums."""
     z = splat(f32(0), 16)
@@ -245,22 +326,28 @@ def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min):
     """One token's share of group g (its 4 blocks unpacked: lo, hi, d, m) added to acc, am."""
     xg = xo + 128 * g
     i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
-    acc = fma(cvt(i, np.float32), vmul(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc)
+    acc = fma(cvt(i, np.float32), vmul_kept(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc)
     if has_min:
-        am = fma(m, _SPREAD4(ld(xsum, bo + 4 * g, 4)), am)
+        am = _min_32(m, xsum, bo, g, am)
     return acc, am
+
+
+@njit(fastmath=True, inline="always")
+def _min_32(m, xsum, bo, g, am):
+    return fma(m, _SPREAD4(ld(xsum, bo + 4 * g, 4)), am)
 
 
 @njit(fastmath=True, inline="always")
 def _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins):
     """One token's share of a last block b (past the whole groups) added to tail, mins."""
     p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
-    return fma(p, splat(d * at(xd, bo + b), 8), tail), mins + m * at(xsum, bo + b)
+    return fma(p, splat(mul_kept(d, at(xd, bo + b)), 8), tail), add_kept(mins, mul_kept(m, at(xsum, bo + b)))
 
 
 @njit(fastmath=True, inline="always")
 def _total_32(acc0, acc1, am0, am1, tail, mins):
-    return hsum(vadd(vadd(acc0, acc1), vmul(vadd(am0, am1), f32(0.25)))) + hsum(tail) + mins  # 4 lanes a block
+    # 4 lanes a block; the scalar sums in this order wherever this is inlined (simd.add_kept)
+    return add_kept(add_kept(hsum(vadd(vadd(acc0, acc1), vmul(vadd(am0, am1), f32(0.25)))), hsum(tail)), mins)
 
 
 # sc (16 lanes, one per sub-block of 16) -> the int16 scale of each pair sum of pair i (32 lanes)
@@ -359,8 +446,17 @@ def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has
 @njit(fastmath=True, inline="always")
 def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nbytes, has_min):
     nb = k // 32
+    n4 = n // 4 * 4  # tokens in tiles of 4 on pairs of rows (_tile_2x4), the rest in pairs and alone
+    r2 = r0
+    if n4:  # (one token allocates nothing: 16 rows of it are ~1 us)
+        r2 = r0 + (r1 - r0) // 2 * 2
+        scr = np.empty(512, np.float32)  # _tile_2x4's sums
+        for r in range(r0, r2, 2):
+            for t in range(0, n4, 4):
+                _tile_2x4(w, r * rb, rb, xq, t * k, k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min, out,
+                          t, col + r, scr)
     for r in range(r0, r1):
-        t = 0
+        t = n4 if r < r2 else 0
         while t + 2 <= n:  # tokens in pairs: each weight group unpacked once for both
             out[t, col + r], out[t + 1, col + r] = _dot_32x2(w, r * rb, xq, t * k, t * k + k, xd, xsum, xoff, t * nb,
                                                              t * nb + nb, nb, block, quad, nbytes, has_min)

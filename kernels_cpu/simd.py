@@ -377,7 +377,7 @@ def splat(typingctx, s, n):
     return vt(s, n), codegen
 
 
-def _make_binop(fop, iop):
+def _make_binop(fop, iop, flags=_FAST):
     @intrinsic
     def op(typingctx, a, b):
         if not isinstance(a, Vec):
@@ -388,7 +388,7 @@ def _make_binop(fop, iop):
             if not isinstance(sig.args[1], Vec):  # scalar operand: broadcast in a's type
                 y = _splat_ir(builder, context.cast(builder, y, sig.args[1], a.dtype), a.n)
             if isinstance(a.dtype, types.Float):
-                return getattr(builder, fop)(x, y, flags=_FAST)
+                return getattr(builder, fop)(x, y, flags=flags)
             return getattr(builder, iop)(x, y)
 
         return a(a, b), codegen
@@ -399,6 +399,31 @@ def _make_binop(fop, iop):
 vadd = _make_binop("fadd", "add")
 vsub = _make_binop("fsub", "sub")
 vmul = _make_binop("fmul", "mul")
+# A product rounded by itself wherever it is inlined: LLVM may neither reassociate it with the
+# product it feeds (x * vmul_kept(a, b) stays x * (a * b)) nor fuse it into the sum it feeds. The
+# decode kernels' batched tiles and their one-token loop then round alike (else a tile sharing b
+# between rows got (x * a) * b in some rows: another last bit than the token alone).
+_KEPT = ("nnan", "ninf", "nsz", "arcp", "afn")
+vmul_kept = _make_binop("fmul", "mul", _KEPT)
+
+
+def _scalar_kept(fop, doc):
+    @intrinsic
+    def op(typingctx, a, b):
+        if a != types.float32 or b != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, fop)(args[0], args[1], flags=_KEPT)
+
+        return types.float32(a, b), codegen
+
+    op.__doc__ = doc
+    return op
+
+
+mul_kept = _scalar_kept("fmul", "a * b for float32 scalars, rounded by itself (vmul_kept's rule)")
+add_kept = _scalar_kept("fadd", "a + b for float32 scalars in this order, rounded by itself")
 vand = _make_binop(None, "and_")
 vor = _make_binop(None, "or_")
 vshr = _make_binop(None, "lshr")  # logical shift: use on unsigned lanes

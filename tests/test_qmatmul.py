@@ -169,6 +169,21 @@ def test_decode_row_lengths(name):
             check(w, name, rng.standard_normal((n, k), dtype=np.float32))
 
 
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ("F32", "F16", "BF16")])
+def test_decode_tokens_have_their_one_token_bits(name):
+    """Each token of a decode batch (1 .. SMALL_N tokens: tiles of 2 rows x 4 tokens, pairs, one
+    alone) gets the bits of that token multiplied alone, on row counts that leave a row (and a
+    work item's rows) outside the tiles and k with and without leftover blocks (one group: 160)."""
+    rng = np.random.default_rng(17)
+    qt = BY_NAME[name].id
+    for k in ((160, 576, 1024) if BY_NAME[name].block_elems == 32 else (512,)):
+        w = random_raw(name, 37, k, rng)
+        x = rng.standard_normal((qm.SMALL_N, k), dtype=np.float32)
+        alone = np.concatenate([qm.qmatmul(x[t : t + 1], w, qt) for t in range(qm.SMALL_N)])
+        for n in range(2, qm.SMALL_N + 1):
+            np.testing.assert_array_equal(qm.qmatmul(x[:n], w, qt), alone[:n], err_msg=f"{name} k={k} n={n}")
+
+
 def test_many_tokens_and_out():
     rng = np.random.default_rng(3)
     w = quantized("Q4_0", 37, 64, rng)
