@@ -97,6 +97,7 @@ class Plan(NamedTuple):
     n_sink: int
     first: int
     recent: int
+    slots: np.ndarray | None = None  # (n,) int64 ring slots an eviction policy chose (None: the ring's order)
 
     @property
     def one_token(self) -> tuple[int, int, int, int]:
@@ -115,6 +116,8 @@ class Plan(NamedTuple):
         """(batch rows, ring slots) (m,) int64 of the tokens that land in the ring: when a batch
         wraps the ring onto itself, only each slot's last writer."""
         rows = np.arange(self.n, dtype=np.int64)
+        if self.slots is not None:
+            return rows, self.slots
         if self.n == 1:
             return rows, np.array([self.slot], np.int64)
         slots = _ring_slot(self.written + rows, self.capacity, self.n_sink)
@@ -165,6 +168,7 @@ class LayerKV:
     exact_from: int = -1
     epoch: int = 0  # bumped by every change no plan describes (trim, reset, load, calibrate): device copies resync
     backend_state: object = field(default=None, compare=False, repr=False)  # a backend's derived per-layer data
+    evictor: object = field(default=None, compare=False, repr=False)  # edgekv.evict.Evictor; None: the ring's order
 
     def __post_init__(self):
         self.capacity = self.pos.shape[0]
@@ -182,7 +186,11 @@ class LayerKV:
     # -- the protocol --------------------------------------------------------------------
     def plan(self, q_pos: np.ndarray) -> Plan:
         """Where a batch at q_pos (n,) int64 (positions n_written, n_written + 1, ..) goes. Called
-        per layer and token: plain arithmetic, no numpy (the arrays are the plan's properties)."""
+        per layer and token: plain arithmetic, no numpy (the arrays are the plan's properties).
+        With an eviction policy, a batch the ring cannot hold as it is takes the slots the policy
+        chooses (edgekv.evict.Evictor.plan)."""
+        if self.evictor is not None and self.n_written + len(q_pos) > self.capacity:
+            return self.evictor.plan(self, q_pos)
         n, p0 = len(q_pos), q_pos.item(0)
         nw, cap, s, r, f = self.n_written, self.capacity, self.n_sink, self.recent, self.first
         fill = nw if nw < cap else cap
@@ -192,7 +200,7 @@ class LayerKV:
         return tuple.__new__(Plan, (p0, n, first, (nw + n if nw + n < cap else cap) if first else fill,
                                     self.exact_from if self.exact_from >= 0 else p0,
                                     last - cap + 1 if s and last >= cap else 0, _ring_slot(nw, cap, s),
-                                    (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r))
+                                    (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r, None))
 
     def place(self, plan: Plan) -> None:
         """The batch is in its ring slots now: record their positions (attention reads them)."""
@@ -201,6 +209,8 @@ class LayerKV:
         else:
             rows, slots = plan.writers
             self.pos[slots] = plan.p0 + rows
+        if self.evictor is not None:
+            self.evictor.placed(plan)
 
     def commit(self, plan: Plan) -> None:
         """The batch has attended and its exact rows are written: record them, advance the cursor."""
@@ -215,6 +225,8 @@ class LayerKV:
             if last >= self.first:  # the recent rows hold the last r positions of one run
                 lo = self.exact_from if self.exact_from >= 0 else plan.p0
                 self.exact_from = max(lo, last + 1 - r, self.first)
+            if self.evictor is not None:
+                self.evictor.committed(plan)
         self.n_written += plan.n
 
     def calibrate(self, q: np.ndarray, k: np.ndarray, offset: bool = True) -> None:
@@ -262,12 +274,15 @@ class LayerKV:
     @property
     def span(self) -> int:
         """How far back (in positions) a query sees the non-sink slots: the model's window, or
-        for a global layer everything the ring keeps, capacity - n_sink tokens including itself."""
-        return self.window or self.capacity - self.n_sink
+        for a global layer everything the ring keeps, capacity - n_sink tokens including itself
+        (0, no limit, under an eviction policy: what it keeps may be any distance back)."""
+        return self.window or (0 if self.evictor is not None else self.capacity - self.n_sink)
 
     def reset(self) -> None:
         self.pos[: self.fill] = -1
         self.rpos[:] = -1
+        if self.evictor is not None:
+            self.evictor.reset()
         self.n_written, self.exact_from = 0, -1
         self.epoch += 1
 
@@ -396,17 +411,60 @@ class KVCache:
     """All layers' rings. Layer l keeps `capacities[l]` tokens; `windows[l]` is its sliding window."""
 
     def __init__(self, capacities: list[int], n_head_kv: int, head_dim: int, n_sink: int = 4,
-                 windows: list[int] | None = None, kind: str = "f16", recent: int | None = None):
+                 windows: list[int] | None = None, kind: str = "f16", recent: int | None = None,
+                 evict: str = "window"):
         windows = windows or [0] * len(capacities)
         self.kind = kind
         self.layers = [new_layer(kind, cap, n_head_kv, head_dim, 0 if w else n_sink, w, recent)
                        for cap, w in zip(capacities, windows)]
+        self.set_policy(evict)
 
     @classmethod
-    def for_model(cls, cfg, n_ctx: int, kind: str = "f16", n_sink: int = 4) -> "KVCache":
+    def for_model(cls, cfg, n_ctx: int, kind: str = "f16", n_sink: int = 4, evict: str = "window") -> "KVCache":
         """An empty cache for a model's Config: rings of n_ctx tokens, of the window for sliding layers."""
         windows = cfg.windows()
-        return cls(capacities(windows, n_ctx), cfg.n_head_kv, cfg.head_dim, n_sink=n_sink, windows=windows, kind=kind)
+        return cls(capacities(windows, n_ctx), cfg.n_head_kv, cfg.head_dim, n_sink=n_sink, windows=windows, kind=kind,
+                   evict=evict)
+
+    # -- eviction (edgekv/evict.py) --------------------------------------------------------
+    def set_policy(self, evict: str) -> None:
+        """The eviction policy of every layer whose ring can drop a token its queries still
+        see (global layers; a sliding layer only when its ring is smaller than its window)."""
+        from .evict import Evictor, check_policy
+
+        self.evict = check_policy(evict)
+        for lk in self.layers:
+            lk.evictor = None if evict == "window" or (lk.window and lk.capacity >= lk.window) else Evictor(evict, lk)
+            lk.backend_state = None  # the fused decode pack holds the policy's arrays
+
+    @property
+    def batch_limit(self) -> int | None:
+        """The largest batch every evicting ring can take once full, leaving room for protected
+        tokens (None: no policy limits it)."""
+        rooms = [(lk.capacity - lk.n_sink - lk.evictor.recent) // 2 for lk in self.layers if lk.evictor is not None]
+        return max(1, min(rooms)) if rooms else None
+
+    def copy_policy(self, twin: "KVCache") -> None:
+        """Give a fork of this cache (fork copies the rings, not the policy) this cache's
+        policy and its state: the fork then evicts as this cache would."""
+        twin.evict = getattr(self, "evict", "window")
+        for a, b in zip(self.layers, twin.layers):
+            b.evictor = a.evictor.copy(b) if a.evictor is not None else None
+            b.backend_state = None
+
+    def protect(self, positions) -> None:
+        """Never evict these positions (chat-template tokens) once written, while anything else can go."""
+        for lk in self.layers:
+            if lk.evictor is not None:
+                lk.evictor.pending.update(int(p) for p in positions)
+
+    def evict_stats(self) -> dict:
+        """The policy, tokens evicted (summed over the evicting layers) and the estimated attention
+        mass the kept tokens hold: 1 - the mean attention an evicted token had when overwritten."""
+        evs = [lk.evictor for lk in self.layers if lk.evictor is not None]
+        n = sum(e.evicted for e in evs)
+        return dict(evict=getattr(self, "evict", "window"), kv_evicted=n,
+                    kv_kept_mass=round(1.0 - sum(e.lost for e in evs) / n, 6) if n else 1.0)
 
     def __getitem__(self, layer: int) -> LayerKV:
         return self.layers[layer]
