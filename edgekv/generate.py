@@ -47,7 +47,7 @@ class Stats:
     kv_bytes: int = 0  # bytes allocated for the cache, all layers
     evict: str = "window"  # the cache's eviction policy (edgekv.evict)
     kv_evicted: int = 0  # tokens its policy has overwritten, summed over the evicting layers
-    kv_kept_mass: float = 1.0  # estimated attention the kept tokens hold (KVCache.evict_stats)
+    kv_kept_mass: float | None = None  # estimated attention the kept tokens hold (KVCache.evict_stats; None: window)
 
     def measure_kv(self, cache) -> None:
         """Record how full `cache` is."""

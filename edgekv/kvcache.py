@@ -25,8 +25,21 @@ weight once for all of them, and each layer of the batch is the sequences' own L
 batch rows that belong to each; the attention step runs its one-sequence path per sequence, one
 plan per sequence's cache. What comes next, as additions: shared prefixes make the slots a
 plan names physical ones, blocks of a pool with reference counts, copied on first write before the
-plan is given; another eviction policy is another way to choose the slots of `plan` (the kernels
-mask by position, so holes cost nothing).
+plan is given.
+
+Eviction (edgekv/evict.py). A policy other than "window" chooses the slots of `plan` once a
+batch overflows the ring: the least important tokens' (their attention, which the attention
+kernel writes out as it computes it: kv_attention's `scores`, the fused decode step), never the
+sinks', the last 32 positions' or marked template tokens'. The kernels mask by position, so the
+holes it leaves among the kept positions cost nothing. Positions: every kept key stays at the
+absolute position RoPE gave it, and the sinks at theirs (shift 0, no counter-rotated query), so
+a query sees each kept token at its true distance, exactly as an uncapped cache shows it, and
+with an uncapped cache's own mask (span 0: a kept token may be any distance back). The window
+policy's shift exists because its ring is read as one contiguous run ending at the query, which
+StreamingLLM's cache-relative positions reproduce; once holes appear there is no such run, and
+any relative renumbering would move a kept token to a distance it never had (the scores that
+chose it were computed at its true distance). The price: past the model's trained context the
+true distances leave the trained range, where the window policy's do not.
 """
 from __future__ import annotations
 
@@ -462,8 +475,11 @@ class KVCache:
         """The policy, tokens evicted (summed over the evicting layers) and the estimated attention
         mass the kept tokens hold: 1 - the mean attention an evicted token had when overwritten."""
         evs = [lk.evictor for lk in self.layers if lk.evictor is not None]
+        if not evs:  # the ring's order: a global layer drops what it has no room for, unscored
+            n = sum(max(0, lk.n_written - lk.capacity) for lk in self.layers if not lk.window)
+            return dict(evict=getattr(self, "evict", "window"), kv_evicted=n, kv_kept_mass=None)
         n = sum(e.evicted for e in evs)
-        return dict(evict=getattr(self, "evict", "window"), kv_evicted=n,
+        return dict(evict=self.evict, kv_evicted=n,
                     kv_kept_mass=round(1.0 - sum(e.lost for e in evs) / n, 6) if n else 1.0)
 
     def __getitem__(self, layer: int) -> LayerKV:
