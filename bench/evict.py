@@ -57,8 +57,8 @@ def passkey_ids(llm, n_tokens: int, depth: float, key: str) -> list[int]:
     question), then the question; made of separately tokenized pieces so the depth is exact."""
     tok = lambda t: llm.tokenize(t, add_bos=False)  # noqa: E731
     head = llm.tokenize("There is a pass key hidden in this text. Find it and remember it. ")
-    fact = tok(f"The pass key is {key}. Remember it. {key} is the pass key. ")
-    ask = tok("What is the pass key? The pass key is")
+    fact = tok(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    ask = tok("\nWhat is the pass key? The pass key is")
     fill = tok(FILLER * (n_tokens // 10))
     room = n_tokens - len(head) - len(fact) - len(ask)
     cut = int(round(depth * room))

@@ -316,7 +316,15 @@ def _kv_line(sess) -> str:
     kv.measure_kv(sess.seq.cache)
     return (f"kv {sess.llm.kv_type}: {kv.kv_tokens}/{kv.kv_capacity} tokens in the largest ring, "
             f"{kv.kv_bytes_used / 2**20:.2f} of {kv.kv_bytes / 2**20:.2f} MiB in use, "
-            f"{len(sess.seq.tokens)} tokens cached")
+            f"{len(sess.seq.tokens)} tokens cached" + _evict_note(kv))
+
+
+def _evict_note(kv) -> str:
+    """What an eviction policy has done, for /kv ("" under the window policy)."""
+    if kv.evict == "window":
+        return ""
+    return (f"; evict {kv.evict}: {kv.kv_evicted} tokens evicted over the layers, "
+            f"~{100 * kv.kv_kept_mass:.1f}% of attention kept")
 
 
 def cmd_chat(args) -> int:

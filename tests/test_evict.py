@@ -222,6 +222,12 @@ def test_api_policies_and_protected_template_tokens():
     ctrl = set(llm.tokenizer.control_ids())
     want = {i for i, t in enumerate(ids) if t in ctrl} | {i + 1 for i, t in enumerate(ids) if t in ctrl and i + 1 < len(ids)}
     assert want and all(want <= _kept(lk) for lk in seq_cache.layers)
+    from edgekv.cli import _kv_line
+
+    sess = llm.session(temperature=0, max_tokens=4)
+    sess.send(msgs[0]["content"])
+    line = _kv_line(sess)
+    assert f"evict tova: {sess.stats.kv_evicted} tokens evicted" in line and sess.stats.kv_evicted > 0
 
 
 def test_cli_perplexity_ring_evict(capsys):
