@@ -18,10 +18,11 @@ from .errors import (  # noqa: E402
     TemplateError,
     UnsupportedModelError,
 )
+from .evict import EVICT_POLICIES  # noqa: E402
 from .llm import LLM, load  # noqa: E402
 from .session import ChatSession  # noqa: E402
 
 __all__ = [
-    "LLM", "load", "ChatSession", "EdgekvError", "ModelFileError", "UnsupportedModelError", "ModelNotFoundError",
+    "LLM", "load", "ChatSession", "EVICT_POLICIES", "EdgekvError", "ModelFileError", "UnsupportedModelError", "ModelNotFoundError",
     "DownloadError", "TemplateError", "SessionFileError", "PromptCacheError", "ContextError", "DeviceError", "__version__",
 ]

@@ -126,10 +126,10 @@ def decode_weight_bytes(f) -> int:
 class EdgekvRunner:
     name = "edgekv"
 
-    def __init__(self, path, n_ctx: int, kv: str, threads: int):
+    def __init__(self, path, n_ctx: int, kv: str, threads: int, evict: str = "window", ring: int | None = None):
         from .llm import LLM
 
-        self.llm = LLM(path, n_ctx=n_ctx, kv=kv, threads=threads)
+        self.llm = LLM(path, n_ctx=ring or n_ctx, kv=kv, threads=threads, evict=evict)
         self.vocab = self.llm.cfg.n_vocab
         self.filled = (-1, None)  # (depth, the cache holding it)
 
@@ -264,9 +264,12 @@ def _run_setup(runners, tests, reps, bg, bar, rng, wbytes) -> list[Row]:
 
 
 def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), threads=(None,), reps=3,
-              compare: bool = False, progress: bool = True, seed: int = 0, background_load: int = 0) -> dict:
+              compare: bool = False, progress: bool = True, seed: int = 0, background_load: int = 0,
+              evict: str = "window", ring: int | None = None) -> dict:
     """Run the matrix; returns {"rows": [...], "bandwidth": B/s, "model": ...}. threads None:
-    edgekv chooses (as it does by default), llama.cpp gets the physical cores (its default)."""
+    edgekv chooses (as it does by default), llama.cpp gets the physical cores (its default).
+    ring: edgekv's cache holds that many tokens (default: every test's), full rings evicting by
+    `evict` (edgekv.EVICT_POLICIES)."""
     from tqdm import tqdm
 
     loads = [0, background_load] if background_load else [0]
@@ -300,7 +303,8 @@ def run_bench(path, *, prompt=(512,), gen=(128,), depths=(0,), kvs=("f16",), thr
         for (kv, t, auto), tests in by_setup.items():
             for turn in turns:
                 reset_peak_rss()  # each row's peak is its own runtimes', not an earlier setup's
-                runners = [R(path, n_ctx_need, kv, None if auto and R is EdgekvRunner else t) for R in turn]
+                runners = [R(path, n_ctx_need, kv, None if auto and R is EdgekvRunner else t,
+                             **(dict(evict=evict, ring=ring) if R is EdgekvRunner else {})) for R in turn]
                 rows += _run_setup(runners, tests, reps, bg, bar, rng, wbytes)
                 del runners
                 gc.collect()

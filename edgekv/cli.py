@@ -11,6 +11,7 @@ from collections import Counter
 
 from . import __version__
 from .errors import EdgekvError
+from .evict import EVICT_POLICIES
 from .kvcache import KV_KINDS
 
 
@@ -106,7 +107,7 @@ def _sampling_args(args) -> dict:
 
 def _load_args(args) -> dict:
     return dict(n_ctx=args.ctx, kv=args.kv, threads=args.threads, device=args.device, gpu_layers=args.gpu_layers,
-                prompt_cache=not args.no_prompt_cache, prompt_cache_size=args.prompt_cache_size)
+                prompt_cache=not args.no_prompt_cache, prompt_cache_size=args.prompt_cache_size, evict=args.evict)
 
 
 def read_text_file(path: str) -> str:
@@ -328,7 +329,15 @@ def _kv_line(sess) -> str:
     kv.measure_kv(sess.seq.cache)
     return (f"kv {sess.llm.kv_type}: {kv.kv_tokens}/{kv.kv_capacity} tokens in the largest ring, "
             f"{kv.kv_bytes_used / 2**20:.2f} of {kv.kv_bytes / 2**20:.2f} MiB in use, "
-            f"{len(sess.seq.tokens)} tokens cached")
+            f"{len(sess.seq.tokens)} tokens cached" + _evict_note(kv))
+
+
+def _evict_note(kv) -> str:
+    """What an eviction policy has done, for /kv ("" under the window policy)."""
+    if kv.evict == "window":
+        return ""
+    return (f"; evict {kv.evict}: {kv.kv_evicted} tokens evicted over the layers, "
+            f"~{100 * kv.kv_kept_mass:.1f}% of attention kept")
 
 
 def cmd_chat(args) -> int:
@@ -532,7 +541,7 @@ def cmd_bench(args) -> int:
     path = resolve(args.model, progress=not args.quiet)
     result = run_bench(path, prompt=args.p, gen=args.n, depths=args.d, kvs=args.kv, threads=args.t or [None],
                        reps=args.r, compare=args.compare == "llama.cpp", progress=not args.quiet,
-                       background_load=args.background_load)
+                       background_load=args.background_load, evict=args.evict, ring=args.ring)
     print(format_table(result, args.o))
     if args.plot:
         plot(result, args.plot)
@@ -543,9 +552,18 @@ def cmd_perplexity(args) -> int:
     import json
 
     from .llm import load
-    from .perplexity import perplexity
+    from .perplexity import perplexity, ring_perplexity
 
     text = read_text_file(args.file)  # before the load: a wrong name fails at once
+    if args.ring:  # streamed through a ring of that size, against an uncapped f16 cache
+        llm = load(args.model, n_ctx=max(args.ctx, args.ring), threads=args.threads, progress=not args.quiet)
+        ids = llm.tokenize(text, special=False)[: args.tokens]
+        res = ring_perplexity(llm, ids, rings=(args.ring,), kinds=list(args.kv), evicts=list(args.evict),
+                              progress=not args.quiet)[str(args.ring)]
+        print(json.dumps(dict(model=str(llm.path), tokens=len(ids), ring=args.ring, results=res), indent=2))
+        return 0
+    if args.evict != ["window"]:
+        raise EdgekvError("--evict needs --ring N: windows of --ctx never fill a ring")
     llm = load(args.model, n_ctx=args.ctx, threads=args.threads, progress=not args.quiet)
     ids = llm.tokenize(text, special=False)
     kinds = list(args.kv)
@@ -637,6 +655,13 @@ def byte_size(text: str) -> int:
     return int(m[1]) * 1024 ** " kmg".index(m[2] or " ")
 
 
+def evict_policy(text: str) -> str:
+    """An argparse type: one of edgekv.EVICT_POLICIES."""
+    if text not in EVICT_POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown eviction policy {text!r} (choose {', '.join(EVICT_POLICIES)})")
+    return text
+
+
 def kv_kind(text: str) -> str:
     """An argparse type: one of the KV cache types."""
     if text not in KV_KINDS:
@@ -664,6 +689,9 @@ def _add_load_args(s) -> None:
     s.add_argument("--ctx", type=context_size, default=4096,
                    help="KV cache capacity in tokens (a ring: longer text keeps the first 4 and the most recent)")
     s.add_argument("--kv", type=kv_kind, default="int8", metavar="|".join(KV_KINDS), help="KV cache type")
+    s.add_argument("--evict", type=evict_policy, default="window", metavar="|".join(EVICT_POLICIES),
+                   help="what a full ring overwrites: window = the oldest after the sinks; h2o, tova = the token "
+                   "attention needs least (edgekv/evict.py)")
     s.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads, used as given (default: at most the physical cores, fewer while other programs keep cores busy)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="auto: cuda when a GPU is usable")
     s.add_argument("--gpu-layers", type=nonnegative_int, default=None, metavar="N",
@@ -774,6 +802,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run every test beside N busy processes, quiet and loaded side by side")
     s.add_argument("--kv", type=comma_list(kv_kind), default="f16",
                    help="cache types, comma-separated; f16 as llama-bench, where run and chat default to int8")
+    s.add_argument("--ring", type=context_size, default=None, metavar="N",
+                   help="edgekv's cache holds N tokens (default: every test's), full rings evicting by --evict")
+    s.add_argument("--evict", type=evict_policy, default="window", metavar="|".join(EVICT_POLICIES),
+                   help="what edgekv's full ring overwrites (see run --help)")
     s.add_argument("-o", default="md", choices=["md", "json", "csv"], help="output format")
     s.add_argument("--compare", choices=["llama.cpp"], default=None, help="run llama.cpp too, interleaved")
     s.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode speed against depth")
@@ -785,6 +817,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ctx", type=context_size, default=512, help="window size")
     s.add_argument("--kv", type=comma_list(kv_kind), default="f16", help="cache types, comma-separated")
     s.add_argument("--kl-base", type=kv_kind, default=None, help="cache type the others are compared against (e.g. f16)")
+    s.add_argument("--ring", type=context_size, default=None, metavar="N",
+                   help="stream the text one token at a time through a ring of N tokens per --kv and --evict, "
+                   "scored against an uncapped f16 cache (KL, top-1) from position N on")
+    s.add_argument("--evict", type=comma_list(evict_policy), default="window",
+                   help=f"with --ring: eviction policies, comma-separated ({', '.join(EVICT_POLICIES)})")
+    s.add_argument("--tokens", type=positive_int, default=None, metavar="N", help="with --ring: the text's first N tokens only")
     s.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads, used as given (default: at most the physical cores, fewer while other programs keep cores busy)")
     s.add_argument("-q", "--quiet", **quiet)
 

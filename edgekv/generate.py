@@ -45,6 +45,9 @@ class Stats:
     kv_capacity: int = 0  # tokens the largest ring holds (n_ctx)
     kv_bytes_used: int = 0  # bytes of K/V (scales included) filled after the call, all layers
     kv_bytes: int = 0  # bytes allocated for the cache, all layers
+    evict: str = "window"  # the cache's eviction policy (edgekv.evict)
+    kv_evicted: int = 0  # tokens its policy has overwritten, summed over the evicting layers
+    kv_kept_mass: float | None = None  # estimated attention the kept tokens hold (KVCache.evict_stats; None: window)
 
     def measure_kv(self, cache) -> None:
         """Record how full `cache` is."""
@@ -52,6 +55,9 @@ class Stats:
         self.kv_capacity = max((lk.capacity for lk in cache.layers), default=0)
         self.kv_bytes = cache.nbytes
         self.kv_bytes_used = sum(lk.nbytes * min(lk.n_written, lk.capacity) // lk.capacity for lk in cache.layers)
+        if hasattr(cache, "evict_stats"):
+            ev = cache.evict_stats()
+            self.evict, self.kv_evicted, self.kv_kept_mass = ev["evict"], ev["kv_evicted"], ev["kv_kept_mass"]
 
     @property
     def prefill_tps(self) -> float:
@@ -70,7 +76,8 @@ class Stats:
                     generated_tokens=self.generated_tokens, prefill_s=round(self.prefill_s, 4),
                     decode_s=round(self.decode_s, 4), prefill_tokens_per_s=round(self.prefill_tps, 2),
                     decode_tokens_per_s=round(self.decode_tps, 2), kv_tokens=self.kv_tokens,
-                    kv_capacity=self.kv_capacity, kv_bytes_used=self.kv_bytes_used, kv_bytes=self.kv_bytes)
+                    kv_capacity=self.kv_capacity, kv_bytes_used=self.kv_bytes_used, kv_bytes=self.kv_bytes,
+                    evict=self.evict, kv_evicted=self.kv_evicted, kv_kept_mass=self.kv_kept_mass)
 
 
 class Sequence:
@@ -117,7 +124,8 @@ class Sequence:
         rooms = [lk.capacity - lk.n_written for lk in self.cache.layers if lk.n_written < lk.n_sink]
         if rooms and min(rooms) < n:
             first = min(rooms)
-        cuts = [*range(0, first, UBATCH), *range(first, n, UBATCH), n]
+        step = min(UBATCH, getattr(self.cache, "batch_limit", None) or UBATCH)  # an evicting ring takes less at once
+        cuts = [*range(0, first, step), *range(first, n, step), n]
         for a, b in zip(cuts, cuts[1:]):
             yield ids[a:b]
 

@@ -31,8 +31,21 @@ load_state lower it), so freezing it again reuses those pages.
 Several sequences in one batch (`BatchCache`): their tokens are stacked, so every matmul reads a
 weight once for all of them, and each layer of the batch is the sequences' own LayerKVs with the
 batch rows that belong to each; the attention step runs its one-sequence path per sequence, one
-plan per sequence's cache. What comes next, as an addition: another eviction policy is another way
-to choose the slots of `plan` (the kernels mask by position, so holes cost nothing).
+plan per sequence's cache.
+
+Eviction (edgekv/evict.py). A policy other than "window" chooses the slots of `plan` once a
+batch overflows the ring: the least important tokens' (their attention, which the attention
+kernel writes out as it computes it: kv_attention's `scores`, the fused decode step), never the
+sinks', the last 32 positions' or marked template tokens'. The kernels mask by position, so the
+holes it leaves among the kept positions cost nothing. Positions: every kept key stays at the
+absolute position RoPE gave it, and the sinks at theirs (shift 0, no counter-rotated query), so
+a query sees each kept token at its true distance, exactly as an uncapped cache shows it, and
+with an uncapped cache's own mask (span 0: a kept token may be any distance back). The window
+policy's shift exists because its ring is read as one contiguous run ending at the query, which
+StreamingLLM's cache-relative positions reproduce; once holes appear there is no such run, and
+any relative renumbering would move a kept token to a distance it never had (the scores that
+chose it were computed at its true distance). The price: past the model's trained context the
+true distances leave the trained range, where the window policy's do not.
 """
 from __future__ import annotations
 
@@ -104,6 +117,7 @@ class Plan(NamedTuple):
     n_sink: int
     first: int
     recent: int
+    slots: np.ndarray | None = None  # (n,) int64 ring slots an eviction policy chose (None: the ring's order)
 
     @property
     def one_token(self) -> tuple[int, int, int, int]:
@@ -122,6 +136,8 @@ class Plan(NamedTuple):
         """(batch rows, ring slots) (m,) int64 of the tokens that land in the ring: when a batch
         wraps the ring onto itself, only each slot's last writer."""
         rows = np.arange(self.n, dtype=np.int64)
+        if self.slots is not None:
+            return rows, self.slots
         if self.n == 1:
             return rows, np.array([self.slot], np.int64)
         slots = _ring_slot(self.written + rows, self.capacity, self.n_sink)
@@ -174,6 +190,7 @@ class LayerKV:
     frozen: dict | None = field(default=None, compare=False, repr=False)  # slot array name -> pages.Frozen it maps
     clean: int = 0  # leading slots whose rows are still as in `frozen` (nothing wrote them since)
     backend_state: object = field(default=None, compare=False, repr=False)  # a backend's derived per-layer data
+    evictor: object = field(default=None, compare=False, repr=False)  # edgekv.evict.Evictor; None: the ring's order
 
     def __post_init__(self):
         self.capacity = self.pos.shape[0]
@@ -191,7 +208,11 @@ class LayerKV:
     # -- the protocol --------------------------------------------------------------------
     def plan(self, q_pos: np.ndarray) -> Plan:
         """Where a batch at q_pos (n,) int64 (positions n_written, n_written + 1, ..) goes. Called
-        per layer and token: plain arithmetic, no numpy (the arrays are the plan's properties)."""
+        per layer and token: plain arithmetic, no numpy (the arrays are the plan's properties).
+        With an eviction policy, a batch the ring cannot hold as it is takes the slots the policy
+        chooses (edgekv.evict.Evictor.plan)."""
+        if self.evictor is not None and self.n_written + len(q_pos) > self.capacity:
+            return self.evictor.plan(self, q_pos)
         n, p0 = len(q_pos), q_pos.item(0)
         nw, cap, s, r, f = self.n_written, self.capacity, self.n_sink, self.recent, self.first
         fill = nw if nw < cap else cap
@@ -201,7 +222,7 @@ class LayerKV:
         return tuple.__new__(Plan, (p0, n, first, (nw + n if nw + n < cap else cap) if first else fill,
                                     self.exact_from if self.exact_from >= 0 else p0,
                                     last - cap + 1 if s and last >= cap else 0, _ring_slot(nw, cap, s),
-                                    (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r))
+                                    (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r, None))
 
     def place(self, plan: Plan) -> None:
         """The batch is in its ring slots now: record their positions (attention reads them)."""
@@ -213,6 +234,8 @@ class LayerKV:
             rows, slots = plan.writers
             self.pos[slots] = plan.p0 + rows
             self.clean = min(self.clean, int(slots.min()))
+        if self.evictor is not None:
+            self.evictor.placed(plan)
 
     def commit(self, plan: Plan) -> None:
         """The batch has attended and its exact rows are written: record them, advance the cursor."""
@@ -227,6 +250,8 @@ class LayerKV:
             if last >= self.first:  # the recent rows hold the last r positions of one run
                 lo = self.exact_from if self.exact_from >= 0 else plan.p0
                 self.exact_from = max(lo, last + 1 - r, self.first)
+            if self.evictor is not None:
+                self.evictor.committed(plan)
         self.n_written += plan.n
 
     def calibrate(self, q: np.ndarray, k: np.ndarray, offset: bool = True) -> None:
@@ -274,13 +299,16 @@ class LayerKV:
     @property
     def span(self) -> int:
         """How far back (in positions) a query sees the non-sink slots: the model's window, or
-        for a global layer everything the ring keeps, capacity - n_sink tokens including itself."""
-        return self.window or self.capacity - self.n_sink
+        for a global layer everything the ring keeps, capacity - n_sink tokens including itself
+        (0, no limit, under an eviction policy: what it keeps may be any distance back)."""
+        return self.window or (0 if self.evictor is not None else self.capacity - self.n_sink)
 
     def reset(self) -> None:
         self.pos[: self.fill] = -1
         self.clean = 0
         self.rpos[:] = -1
+        if self.evictor is not None:
+            self.evictor.reset()
         self.n_written, self.exact_from = 0, -1
         self.epoch += 1
 
@@ -301,15 +329,17 @@ class LayerKV:
 
     def fork(self) -> "LayerKV":
         """A ring of its own holding what this one holds, to go on apart from it: the filled slots
-        shared (`frozen`; copied where pages.SUPPORTED is False), the exact rows, mu and kmul
-        copied; a backend's derived data is made again on first use."""
+        shared (`frozen`; copied where pages.SUPPORTED is False), the exact rows, mu, kmul and
+        the eviction policy's state copied; a backend's derived data is made again on first use."""
         shared = freeze([self])[0]
         arrays = {name: shared[name].array() if shared else _copy(getattr(self, name), self.fill)
                   for name in self.slot_arrays}
         arrays.update({name: _copy(getattr(self, name), None) for name in LAYER_ARRAYS if name not in arrays})
-        return LayerKV(self.kind, n_sink=self.n_sink, window=self.window, n_written=self.n_written,
+        twin = LayerKV(self.kind, n_sink=self.n_sink, window=self.window, n_written=self.n_written,
                        recent=self.recent, first=self.first, exact_from=self.exact_from, frozen=shared,
                        clean=self.fill if shared else 0, **arrays)
+        twin.evictor = self.evictor.copy(twin) if self.evictor is not None else None  # evicts as this ring would
+        return twin
 
     def adopt(self, other: "LayerKV") -> None:
         """Hold what `other` (a ring of the same shape) holds, as a fork of it would, in place of
@@ -479,17 +509,55 @@ class KVCache:
     """All layers' rings. Layer l keeps `capacities[l]` tokens; `windows[l]` is its sliding window."""
 
     def __init__(self, capacities: list[int], n_head_kv: int, head_dim: int, n_sink: int = 4,
-                 windows: list[int] | None = None, kind: str = "f16", recent: int | None = None):
+                 windows: list[int] | None = None, kind: str = "f16", recent: int | None = None,
+                 evict: str = "window"):
         windows = windows or [0] * len(capacities)
         self.kind = kind
         self.layers = [new_layer(kind, cap, n_head_kv, head_dim, 0 if w else n_sink, w, recent)
                        for cap, w in zip(capacities, windows)]
+        self.set_policy(evict)
 
     @classmethod
-    def for_model(cls, cfg, n_ctx: int, kind: str = "f16", n_sink: int = 4) -> "KVCache":
+    def for_model(cls, cfg, n_ctx: int, kind: str = "f16", n_sink: int = 4, evict: str = "window") -> "KVCache":
         """An empty cache for a model's Config: rings of n_ctx tokens, of the window for sliding layers."""
         windows = cfg.windows()
-        return cls(capacities(windows, n_ctx), cfg.n_head_kv, cfg.head_dim, n_sink=n_sink, windows=windows, kind=kind)
+        return cls(capacities(windows, n_ctx), cfg.n_head_kv, cfg.head_dim, n_sink=n_sink, windows=windows, kind=kind,
+                   evict=evict)
+
+    # -- eviction (edgekv/evict.py) --------------------------------------------------------
+    def set_policy(self, evict: str) -> None:
+        """The eviction policy of every layer whose ring can drop a token its queries still
+        see (global layers; a sliding layer only when its ring is smaller than its window)."""
+        from .evict import Evictor, check_policy
+
+        self.evict = check_policy(evict)
+        for lk in self.layers:
+            lk.evictor = None if evict == "window" or (lk.window and lk.capacity >= lk.window) else Evictor(evict, lk)
+            lk.backend_state = None  # the fused decode pack holds the policy's arrays
+
+    @property
+    def batch_limit(self) -> int | None:
+        """The largest batch every evicting ring can take once full, leaving room for protected
+        tokens (None: no policy limits it)."""
+        rooms = [(lk.capacity - lk.n_sink - lk.evictor.recent) // 2 for lk in self.layers if lk.evictor is not None]
+        return max(1, min(rooms)) if rooms else None
+
+    def protect(self, positions) -> None:
+        """Never evict these positions (chat-template tokens) once written, while anything else can go."""
+        for lk in self.layers:
+            if lk.evictor is not None:
+                lk.evictor.pending.update(int(p) for p in positions)
+
+    def evict_stats(self) -> dict:
+        """The policy, tokens evicted (summed over the evicting layers) and the estimated attention
+        mass the kept tokens hold: 1 - the mean attention an evicted token had when overwritten."""
+        evs = [lk.evictor for lk in self.layers if lk.evictor is not None]
+        if not evs:  # the ring's order: a global layer drops what it has no room for, unscored
+            n = sum(max(0, lk.n_written - lk.capacity) for lk in self.layers if not lk.window)
+            return dict(evict=getattr(self, "evict", "window"), kv_evicted=n, kv_kept_mass=None)
+        n = sum(e.evicted for e in evs)
+        return dict(evict=self.evict, kv_evicted=n,
+                    kv_kept_mass=round(1.0 - sum(e.lost for e in evs) / n, 6) if n else 1.0)
 
     def __getitem__(self, layer: int) -> LayerKV:
         return self.layers[layer]
@@ -499,15 +567,18 @@ class KVCache:
         copy-on-write)."""
         freeze(self.layers)  # one file for every layer's new pages; each lk.fork then finds its own
         twin = object.__new__(KVCache)
-        twin.kind, twin.layers = self.kind, [lk.fork() for lk in self.layers]
+        twin.kind, twin.layers, twin.evict = self.kind, [lk.fork() for lk in self.layers], self.evict
         return twin
 
     def adopt(self, other: "KVCache") -> None:
         """Hold what `other` (a cache of the same shape) holds, sharing its pages (LayerKV.adopt)."""
         if len(other.layers) != len(self.layers):
             raise ValueError("a cache of another shape")
+        policy = self.evict
         for lk, olk in zip(self.layers, other.layers):
             lk.adopt(olk)
+        if other.evict != policy:  # another policy's scores mean nothing to this one: it starts afresh
+            self.set_policy(policy)
 
     @property
     def used_nbytes(self) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 
 from .backends import get_backend
 from .errors import ContextError, EdgekvError
+from .evict import check_policy
 from .generate import UBATCH, Batcher, Event
 from .gguf_file import GGUFFile
 from .kvcache import KV_KINDS, BatchCache, KVCache, cache_bytes, capacities
@@ -37,7 +38,7 @@ class LLM:
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "int8", threads: int | None = None,
                  device: str = "cpu", n_sink: int = 4, gpu_layers: int | None = None, prompt_cache: bool = True,
-                 prompt_cache_size: int | None = None, prompt_cache_memory: int | None = None):
+                 prompt_cache_size: int | None = None, prompt_cache_memory: int | None = None, evict: str = "window"):
         from .chat_template import ChatTemplate
         from .models import build_model, model_module
         from .tokenizer import Tokenizer
@@ -48,9 +49,12 @@ class LLM:
             raise EdgekvError(f"unknown KV cache type {kv!r} (choose {', '.join(KV_KINDS)})")
         self.path = Path(path)
         self.file = GGUFFile(path)
-        self.n_ctx, self.kv_type, self.n_sink = n_ctx, kv, n_sink
+        self.n_ctx, self.kv_type, self.n_sink, self.evict = n_ctx, kv, n_sink, check_policy(evict)
+        self._protect_ids = None  # the vocabulary's control tokens, once a policy needs them
         check_context(self, model_module(self.file.arch).Config.from_gguf(self.file))  # before any weight moves
         self.backend = get_backend(device, threads, gpu_layers)
+        if evict != "window" and self.backend.name not in ("cpu", "reference"):
+            raise EdgekvError(f"evict={evict!r} runs on the CPU backend only (the {self.backend.name} one evicts the oldest)")
         self.model = build_model(self.file, self.backend, n_ctx)
         self.cfg = self.model.cfg
         self.tokenizer = Tokenizer.from_metadata(self.file.meta)
@@ -66,10 +70,23 @@ class LLM:
         self.prompt_cache = _prompt_cache(self, prompt_cache_size, prompt_cache_memory) if prompt_cache else None
 
     # -- caches ---------------------------------------------------------------------------
-    def new_cache(self, kind: str | None = None, *, n_sink: int | None = None) -> KVCache:
+    def new_cache(self, kind: str | None = None, *, n_sink: int | None = None, evict: str | None = None) -> KVCache:
         """An empty KV cache for this model: `kind` (default: the LLM's kv type), a ring of
-        n_ctx tokens per global layer and of the window (at most n_ctx) per sliding-window one."""
-        return KVCache.for_model(self.cfg, self.n_ctx, kind or self.kv_type, self.n_sink if n_sink is None else n_sink)
+        n_ctx tokens per global layer and of the window (at most n_ctx) per sliding-window one,
+        full rings evicting by `evict` (default: the LLM's policy, edgekv.EVICT_POLICIES)."""
+        return KVCache.for_model(self.cfg, self.n_ctx, kind or self.kv_type, self.n_sink if n_sink is None else n_sink,
+                                 evict=evict or self.evict)
+
+    def _protect(self, cache, ids: np.ndarray, start_pos: int) -> None:
+        """Mark an evicting cache's chat-template tokens (control tokens: role markers, turn
+        boundaries) and the token after each (the role's name) as never to evict."""
+        if getattr(cache, "evict", "window") == "window":
+            return
+        if self._protect_ids is None:
+            self._protect_ids = np.array(self.tokenizer.control_ids(), np.int64)
+        at = np.flatnonzero(np.isin(ids, self._protect_ids))
+        if len(at):
+            cache.protect(np.concatenate([at, at + 1]) + start_pos)
 
     def _ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
@@ -82,14 +99,16 @@ class LLM:
     def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
         """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""
         ids = self._ids(ids)
+        self._protect(cache, ids, start_pos)
         outs = []
         step = getattr(self.backend, "step", None)  # the CPU backend's thread count for this pass
-        for s in range(0, len(ids), UBATCH):
-            chunk = ids[s : s + UBATCH]
+        ub = min(UBATCH, getattr(cache, "batch_limit", None) or UBATCH)  # an evicting ring takes less at once
+        for s in range(0, len(ids), ub):
+            chunk = ids[s : s + ub]
             pos = np.arange(start_pos + s, start_pos + s + len(chunk), dtype=np.int64)
             with step(len(chunk)) if step else _NO_STEP:
                 logits = self.model.forward(chunk, pos, cache, last_only=last_only)
-            if not last_only or s + UBATCH >= len(ids):
+            if not last_only or s + ub >= len(ids):
                 outs.append(logits)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
@@ -116,6 +135,8 @@ class LLM:
                 continue
             ids = np.concatenate([batch[j][0] for j in group])
             pos = np.array([batch[j][2] for j in group], dtype=np.int64)
+            for j in group:
+                self._protect(batch[j][1], batch[j][0], batch[j][2])
             cache = BatchCache([batch[j][1] for j in group], [1] * len(group))
             with step(len(group)) if step else _NO_STEP:
                 logits = self.model.forward(ids, pos, cache, last_only=False)  # (len(group), n_vocab)
@@ -450,14 +471,15 @@ def _size(n: int) -> str:
 
 def load(model: str | os.PathLike, *, n_ctx: int = 4096, kv: str = "int8", threads: int | None = None,
          device: str = "cpu", progress: bool = True, gpu_layers: int | None = None, prompt_cache: bool = True,
-         prompt_cache_size: int | None = None, prompt_cache_memory: int | None = None) -> LLM:
+         prompt_cache_size: int | None = None, prompt_cache_memory: int | None = None, evict: str = "window") -> LLM:
     """Load a known model name (pulled on first use) or a .gguf path. device: "cpu", "cuda" or
     "auto" (cuda when a GPU is usable); gpu_layers: with cuda, only the first N blocks on the GPU.
     prompt_cache: reuse prefixes already computed (in memory, at most prompt_cache_memory bytes,
     default 256 MiB) and keep long chat system prompts under $EDGEKV_HOME/prompt-cache (at most
-    prompt_cache_size bytes, default 1 GiB); False: neither."""
+    prompt_cache_size bytes, default 1 GiB); False: neither. evict: what a full ring overwrites,
+    one of edgekv.EVICT_POLICIES ("window": the oldest after the sinks; edgekv/evict.py)."""
     from .hub import resolve
 
     return LLM(resolve(model, progress=progress), n_ctx=n_ctx, kv=kv, threads=threads, device=device,
                gpu_layers=gpu_layers, prompt_cache=prompt_cache, prompt_cache_size=prompt_cache_size,
-               prompt_cache_memory=prompt_cache_memory)
+               prompt_cache_memory=prompt_cache_memory, evict=evict)

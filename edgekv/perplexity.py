@@ -68,3 +68,49 @@ def streaming_nll(llm, ids: list[int], kind: str, n_sink: int, progress: bool = 
         lp = _log_softmax(llm.forward(ids[i : i + 1], cache, i)[-1])
         out[i] = -lp[ids[i + 1]]
     return out
+
+
+def ring_perplexity(llm, ids: list[int], *, rings=(512,), kinds=("f16",), evicts=("window",),
+                    progress: bool = True) -> dict:
+    """The text streamed one token at a time through a ring of each size in `rings` per (cache
+    type, eviction policy), in lockstep with an uncapped f16 cache over the same tokens (fed the
+    same way), so no run's log-probs are kept. A ring of N is scored on every next token from
+    position N on, where it is full and its policy decides what attention sees; the uncapped
+    cache on the same tokens. Returns {"RING": {"uncapped f16": {ppl, n_scored}, "KIND/POLICY":
+    {ppl, n_scored, mean_kl, p99_kl, top1_agreement, kv_evicted, kv_kept_mass}}}."""
+    from tqdm import tqdm
+
+    from .errors import ContextError
+    from .kvcache import KVCache
+
+    if len(ids) <= max(rings) + 1:
+        raise ContextError(f"text has {len(ids)} tokens: a ring of {max(rings)} needs more to evict anything")
+    base_cache = KVCache.for_model(llm.cfg, len(ids), "f16", llm.n_sink)
+    runs = {(r, f"{k}/{e}"): KVCache.for_model(llm.cfg, r, k, llm.n_sink, evict=e)
+            for r in rings for k in kinds for e in evicts}
+    base_nll = np.empty(len(ids) - 1)
+    nll = {key: [] for key in runs}
+    kls = {key: [] for key in runs}
+    top = {key: [] for key in runs}
+    for i in tqdm(range(len(ids) - 1), desc=f"rings {','.join(map(str, rings))}", file=sys.stderr,
+                  disable=not progress):
+        base = _log_softmax(llm.forward(ids[i : i + 1], base_cache, i)[-1])
+        base_nll[i] = -base[ids[i + 1]]
+        p = np.exp(base)
+        for (r, name), cache in runs.items():
+            lp = _log_softmax(llm.forward(ids[i : i + 1], cache, i)[-1])
+            if i >= r:
+                nll[(r, name)].append(-lp[ids[i + 1]])
+                kls[(r, name)].append(float(np.sum(p * (base - lp))))
+                top[(r, name)].append(bool(base.argmax() == lp.argmax()))
+    out: dict = {}
+    for r in rings:
+        res = out[str(r)] = {"uncapped f16": dict(ppl=float(np.exp(base_nll[r:].mean())), n_scored=len(ids) - 1 - r)}
+        for (rr, name), cache in runs.items():
+            if rr == r:
+                ev = cache.evict_stats()
+                res[name] = dict(ppl=float(np.exp(np.mean(nll[(r, name)]))), n_scored=len(nll[(r, name)]),
+                                 mean_kl=float(np.mean(kls[(r, name)])), p99_kl=float(np.percentile(kls[(r, name)], 99)),
+                                 top1_agreement=float(np.mean(top[(r, name)])), kv_evicted=ev["kv_evicted"],
+                                 kv_kept_mass=ev["kv_kept_mass"])
+    return out

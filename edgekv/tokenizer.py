@@ -634,6 +634,10 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- decoding
 
+    def control_ids(self) -> list[int]:
+        """Ids of the control tokens: BOS, EOS and the chat template's role and turn markers."""
+        return [i for i, a in enumerate(self._attrs) if a & ATTR_CONTROL]
+
     def token_text(self, id: int) -> str:
         """The vocabulary string of a token (e.g. 'Ġthe', '▁the', '<0x0A>')."""
         return self._texts[self._check(id)]

@@ -36,6 +36,7 @@ from numba import get_num_threads, njit, prange
 
 from edgekv.kvkinds import GROUP, KINDS as _SPEC, KV_KINDS as KINDS, hadamard_block
 
+from .evict import _score_update
 from .ops import _expf, _rope_token
 from .simd import deq32_f16 as _deq32_f16, deq32_f16_eo as _deq32_f16_eo, deq32_i4 as _deq32_i4, deq32_i8 as _deq32_i8
 from .simd import narrow as _narrow, widen as _widen
@@ -52,6 +53,7 @@ KV_HADAMARD_PAR_MIN = 1 << 16  # elements from which hadamard_ runs rows in para
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _NEG = np.float32(-3.0e38)  # "no score yet"; finite, so no inf arithmetic is needed
+SCORE_NONE = float(_NEG)  # kv_attention's scores where a query sees no key
 _FM = {"nsz", "arcp", "contract", "reassoc", "afn"}
 _KERNEL = dict(cache=True, error_model="numpy", fastmath=_FM)
 # Quantizing stays exact IEEE (no arcp: max|x| / 127 must not become max|x| * (1/127)), so
@@ -301,6 +303,7 @@ def _check_kind(kind: str, hd: int) -> None:
 _NO_H = np.zeros((0, 0, 0), np.uint16)
 _NO_B = np.zeros((0, 0, 0), np.int8)
 NO_SINK_BIAS = np.zeros((0, 0), np.float32)  # kv_attention's sink_bias when there is none
+NO_SCORES = np.zeros((0, 0, 0), np.float32)  # kv_attention's scores when none are wanted
 
 
 def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -411,8 +414,10 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
     # sinks: ring slots 0:n_sink, and the exact copies of their positions (recent slots
     # 0:n_sink, fresh keys at positions < n_sink)
     has_sink = n_sink > 0
-    rk, rv, rpos, recent, exact_lo, fresh_all, sb, n_first, softcap = X
+    rk, rv, rpos, recent, exact_lo, fresh_all, sb, n_first, softcap, sc = X
     has_sb = sb.shape[0] > 0
+    n_obs = sc.shape[0]  # the last n_obs queries write their scores (kv_attention's scores)
+    obs0 = q.shape[0] - n_obs
     n_res = rpos.shape[0]
     qb = np.empty((rows, hd), np.float32)  # (rows, hd)
     qs = np.empty((rows if has_sink else 0, hd), np.float32)
@@ -439,6 +444,7 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
         else:
             src, t0, end = 2, j - n_ring - n_res, j1
         nt = min(tile, end - j)
+        jt = j  # the tile's first key in the joined index space
         j += nt
         n_sink_t = max(0, min(nt, n_sink - t0)) if src != 2 else 0  # sink slots in this tile
         if src == 2:  # fresh keys (ascending positions) at sink positions: the first batch's
@@ -528,6 +534,10 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
                 if softcap > _F0:  # gemma2's attention logit soft-cap, on the scaled score
                     for jj in range(nt):
                         pr[hh, jj] = softcap * np.tanh(pr[hh, jj] / softcap)
+                if i >= obs0:  # an observed query: its visible scores, for an eviction policy
+                    for jj in range(nt):
+                        if ok[jj]:
+                            sc[i - obs0, g * grp + hh, jt + jj] = pr[hh, jj]
                 mt = _NEG
                 for jj in range(nt):
                     if ok[jj]:
@@ -725,6 +735,7 @@ def kv_attention(
     fresh_all: bool = True,
     sink_bias: np.ndarray | None = None,
     softcap: float = 0.0,
+    scores: np.ndarray | None = None,
     check: bool = True,
 ) -> np.ndarray:
     """softmax(q K^T * scale + mask) V over the union of a ring (k, k_scale, v, v_scale of
@@ -752,6 +763,12 @@ def kv_attention(
     q_sink does not share with q. softcap > 0: every scaled score s becomes
     softcap * tanh(s / softcap) before the softmax (gemma2; 0 = off). Returns out (n, H, hd) float32.
 
+    scores (n_obs, H, width) float32, when given: the last n_obs queries' scaled (and capped)
+    scores of every key they see, at its index in the joined key space (the ring's slots up to
+    the last live one, then the recent slots, then the fresh keys); what they do not see is left
+    as it was (the caller fills it with kvquant.SCORE_NONE first). An eviction policy's input
+    (kernels_cpu.evict.score_update): the scores this attention computes anyway, not a second pass.
+
     check=False skips the checks (a backend's decode step; arrays as the cache made them, every
     optional one given, out included): at one token they cost more than the attention."""
     if not check:
@@ -759,7 +776,8 @@ def kv_attention(
         _attn_core(_KIND_ID[kind], q, q_sink, q_pos, _views(kind, k, k_scale), _views(kind, v, v_scale), pos,
                    n_sink, fresh_k, fresh_v, fresh_pos, np.float32(scale), window, _perm(kind, hd), v_rotated,
                    hadamard_block(hd), (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent,
-                                        exact_lo, fresh_all, sink_bias, first, np.float32(softcap)),
+                                        exact_lo, fresh_all, sink_bias, first, np.float32(softcap),
+                                        NO_SCORES if scores is None else scores),
                    min(q.shape[0], KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
         return out
     if q.dtype != np.float32 or q.ndim != 3 or not q.flags.c_contiguous:
@@ -793,6 +811,12 @@ def kv_attention(
         sink_bias = NO_SINK_BIAS
     elif sink_bias.dtype != np.float32 or sink_bias.shape != (n, n_head) or not sink_bias.flags.c_contiguous:
         raise ValueError(f"kv_attention: sink_bias {sink_bias.dtype}{sink_bias.shape} must be float32 ({n}, {n_head}), C-contiguous")
+    if scores is None:
+        scores = NO_SCORES
+    elif (scores.dtype != np.float32 or scores.ndim != 3 or scores.shape[0] > n or scores.shape[1] != n_head
+          or scores.shape[2] < cap + recent_pos.shape[0] + fresh_pos.shape[0] or not scores.flags.c_contiguous):
+        raise ValueError(f"kv_attention: scores {scores.dtype}{scores.shape} must be float32 (<= {n}, {n_head}, "
+                         f">= {cap + recent_pos.shape[0] + fresh_pos.shape[0]}), C-contiguous")
     if out is None:
         out = np.empty_like(q)
     elif out.dtype != np.float32 or out.shape != q.shape or not out.flags.c_contiguous:
@@ -802,11 +826,12 @@ def kv_attention(
     _attn_core(_KIND_ID[kind], q, q_sink, q_pos, K, V, pos, int(n_sink), fresh_k, fresh_v, fresh_pos,
                np.float32(scale), int(window), _perm(kind, hd), bool(v_rotated), hadamard_block(hd),
                (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, int(recent), int(exact_lo),
-                bool(fresh_all), sink_bias, int(first), np.float32(softcap)), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
+                bool(fresh_all), sink_bias, int(first), np.float32(softcap), scores), min(n, KV_ATTN_Q_BLOCK), KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, get_num_threads(), out)
     return out
 
 
 # --- one decode step ------------------------------------------------------------------
+NO_EVICT = (0, np.zeros(0, np.float32), np.zeros(0, np.int64))  # kv_decode_layer's evict when none
 # A decode step of one layer is one token: the transforms, two stores, the attention and the
 # exact-copy bookkeeping are each a few microseconds of work, and as separate calls their
 # dispatch and numpy glue cost several times that (a 135M model has 30 layers, ~7 ms a token).
@@ -814,7 +839,7 @@ def kv_attention(
 
 @njit(**_EXACT)
 def _decode_core(L, q, k, v, q_pos, at, rope, scale, par, out, softcap):
-    kind, K, V, pos, n_sink, span, R, mu, kmul, rotated, perm, B = L
+    kind, K, V, pos, n_sink, span, R, mu, kmul, rotated, perm, B, E = L
     _, n_head, hd = q.shape
     n_head_kv = k.shape[1]
     grp = n_head // n_head_kv
@@ -869,10 +894,19 @@ def _decode_core(L, q, k, v, q_pos, at, rope, scale, par, out, softcap):
         fpos[0] = p
     fresh_all = m < 0  # False: the token is in the ring already
     v_rotated = m < 0  # False: values are stored as they are
+    # an eviction policy's scores (E: mode, score, rslot; kernels_cpu.evict): this query's, in
+    # the joined key space of _attn_core
+    mode, score, rslot = E
+    sc = np.full((1 if mode else 0, n_head, n_ring + rpos.shape[0] + m if mode else 0), _NEG, np.float32)
     # the filled slots only: slots past them are empty and hold no -1s
     _attn_core(kind, qo, qs, q_pos, K, V, pos[:n_ring], n_sink, fk, fv, fpos, scale, span, perm,
                v_rotated, B,
-               (rk, rv, rpos, recent, e0, fresh_all, sb, first, softcap), q.shape[0], par[0], par[1], par[2], out)
+               (rk, rv, rpos, recent, e0, fresh_all, sb, first, softcap, sc), q.shape[0], par[0], par[1], par[2], out)
+    if mode:
+        fslot = np.empty(m, np.int64)
+        if m:
+            fslot[0] = slot0
+        _score_update(sc, pos[:n_ring], rpos.shape[0], rslot, fslot, mode, score)
     if m:  # the exact copy, in the plan's row (the cache records its position)
         for g in range(n_head_kv):
             for c in range(hd):
@@ -882,17 +916,20 @@ def _decode_core(L, q, k, v, q_pos, at, rope, scale, par, out, softcap):
 
 def kv_decode_layer(kind: str, k_arr: np.ndarray, k_scale: np.ndarray, v_arr: np.ndarray, v_scale: np.ndarray,
                     pos: np.ndarray, n_sink: int, span: int, recent_k: np.ndarray, recent_v: np.ndarray,
-                    recent_pos: np.ndarray, recent: int, first: int, mu: np.ndarray, kmul: np.ndarray) -> tuple:
+                    recent_pos: np.ndarray, recent: int, first: int, mu: np.ndarray, kmul: np.ndarray,
+                    evict: tuple | None = None) -> tuple:
     """A layer's cache arrays (as edgekv.kvcache.LayerKV holds them: the ring of `kind`, its
     positions, n_sink sink slots, a query sees `span` positions back; the exact recent/first
-    copies; the key offset mu and channel weights kmul (Hkv, hd)) packed once for kv_decode.
+    copies; the key offset mu and channel weights kmul (Hkv, hd); evict: an eviction policy's
+    (mode, score (cap,) float32, rslot (first + recent,) int64), kernels_cpu.evict, None = none)
+    packed once for kv_decode.
     The pack holds views: writes through it land in these arrays, and in-place updates of them
     are seen by it."""
     hd = mu.shape[1]
     return (_KIND_ID[kind], _views(kind, k_arr, k_scale), _views(kind, v_arr, v_scale), pos, n_sink, span,
             (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent, first), mu, kmul,
             _SPEC[kind].quantized,
-            _perm(kind, hd), hadamard_block(hd))
+            _perm(kind, hd), hadamard_block(hd), evict or NO_EVICT)
 
 
 def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, at: tuple,

@@ -124,7 +124,7 @@ class CPUBackend(AttentionStep):
     name = "cpu"
 
     def __init__(self, threads: int | None = None):
-        from ..kernels_cpu import block, kvquant, ops, qmatmul
+        from ..kernels_cpu import block, evict, kvquant, ops, qmatmul
 
         import numba
 
@@ -133,7 +133,7 @@ class CPUBackend(AttentionStep):
         self.serial = _WORKQUEUE_LOCK if workqueue else contextlib.nullcontext()
         self.auto_threads = threads is None  # None: fewer while other programs keep cores busy
         self._local = threading.local()  # numba's thread count belongs to the calling thread
-        self.ops, self.qm, self.kvq, self.blk = ops, qmatmul, kvquant, block
+        self.ops, self.qm, self.kvq, self.blk, self.ev_kernels = ops, qmatmul, kvquant, block, evict
         self.batch_rows = qmatmul.SMALL_N  # the decode kernel's rows: each computed as if alone (LLM.forward_batch)
         mode = os.environ.get("EDGEKV_WEIGHTS", "map")
         if mode not in ("map", "copy"):
@@ -199,7 +199,7 @@ class CPUBackend(AttentionStep):
         if kv.backend_state is None:
             kv.backend_state = self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
                                                         kv.span, kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu,
-                                                        kv.kmul)
+                                                        kv.kmul, None if kv.evictor is None else kv.evictor.kernel)
         return kv.backend_state
 
     # -- ops -------------------------------------------------------------------------
@@ -289,12 +289,18 @@ class CPUBackend(AttentionStep):
         else:
             fk = fv = np.zeros((0,) + k.shape[1:], np.float32)
             fpos = q_pos[:0]
-        return self.kvq.kv_attention(
+        ev = kv.evictor  # an eviction policy: the last queries' scores, kept by the kernel
+        sc = None if ev is None else ev.scores_for(plan, q.shape[1], len(fpos))
+        out = self.kvq.kv_attention(
             kv.kind, q, q if q_sink is None else q_sink, q_pos, kv.k, kv.k_scale, kv.v, kv.v_scale,
             kv.pos[: plan.n_ring], kv.n_sink, fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
             recent_v=kv.rv, recent_pos=kv.rpos, recent=kv.recent, exact_lo=plan.exact_lo, first=kv.first,
             fresh_all=not plan.store_first, sink_bias=self.kvq.NO_SINK_BIAS if sink_bias is None else sink_bias,
-            softcap=softcap, check=False)
+            softcap=softcap, scores=sc, check=False)
+        if ev is not None:  # the batch is stored first under a policy: every row has its slot
+            fslot = plan.writers[1] if len(fpos) else fpos
+            self.ev_kernels.score_update(sc, kv.pos[: plan.n_ring], len(ev.rslot), ev.rslot, fslot, ev.mode, ev.score)
+        return out
 
     def store_exact(self, kv: LayerKV, plan: Plan, k: np.ndarray, v: np.ndarray) -> None:
         rows, dst = plan.exact

@@ -89,6 +89,19 @@ def dequantize_kv(kind: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (g * scale.astype(np.float32)[..., None]).reshape(q.shape)
 
 
+def _importance(ev, p: np.ndarray, slots: np.ndarray) -> None:
+    """An eviction policy's update from attention probabilities p (H, n, T) of keys held in ring
+    slots (T,): the mean over heads and the batch's last OBSERVE queries, added to each slot's
+    score (h2o) or replacing every score (tova)."""
+    from ..evict import OBSERVE
+
+    imp = p[:, -OBSERVE:, :].mean(axis=(0, 1))  # (T,)
+    if ev.policy == "tova":
+        ev.score[:] = 0.0
+    ok = slots >= 0
+    np.add.at(ev.score, slots[ok], imp[ok].astype(np.float32))
+
+
 class ReferenceBackend(AttentionStep):
     name = "reference"
     # Up to this many rows (a batch of decode tokens: LLM.forward_batch), a matmul is one product
@@ -237,13 +250,16 @@ class ReferenceBackend(AttentionStep):
         if softcap:  # gemma2: scores squashed into (-softcap, softcap)
             s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
         dist = q_pos[:, None] - k_pos[None, :]  # (n, T)
-        masked = (dist < 0) | ((dist >= kv.span) & ~sink[None, :])  # sinks: causal, but never out of span
+        masked = (dist < 0) | ((dist >= kv.span) & ~sink[None, :] & (kv.span > 0))  # sinks: causal, never out of span (0: none)
         exact = ((dist < kv.recent) & (k_pos >= plan.exact_lo)[None, :]) | (k_pos < kv.first)[None, :]  # read from an exact copy
         masked |= np.where(src == 0, exact, ~exact & ((src == 1) | first))
         s = np.where(masked[None], -np.inf, s)
         s = s - s.max(axis=-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
+        if kv.evictor is not None:
+            _importance(kv.evictor, p, np.concatenate([np.flatnonzero(live), kv.evictor.rslot[rlive]]
+                                                      + ([plan.writers[1]] if fresh else [])))
         return np.einsum("hnt,thd->nhd", p, vals).astype(np.float32)
 
     def add_(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -1,0 +1,134 @@
+"""Eviction policies: which ring slot a new token overwrites once a layer's ring is full.
+
+"window" (the default) is the ring of edgekv/kvcache.py: the oldest token after the sinks goes
+(StreamingLLM). The others keep what attention needs: each token's importance comes out of the
+attention kernel that already computes its scores (kvquant.kv_attention's `scores`, the fused
+decode step), one float per slot, and the least important unprotected token is overwritten:
+
+  h2o   attention accumulated over every query since the token was stored (H2O)
+  tova  the last query's attention alone (TOVA)
+
+A prefill batch scores the keys with its last OBSERVE queries (SnapKV's observation window).
+Never evicted: the sinks, the last `recent` positions before a batch (at least the int kinds'
+exact tier), and positions marked with `KVCache.protect` (the chat template's control tokens:
+role markers, turn boundaries; evicted only when nothing else is left). Positions stay exact:
+keys keep their absolute RoPE positions, and the sinks theirs (no counter-rotated query), so a
+query sees every kept token at its true distance, as the uncapped cache does (see the
+kvcache docstring).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ContextError, EdgekvError
+
+EVICT_POLICIES = ("window", "h2o", "tova")
+_MODES = {"h2o": 1, "tova": 2}  # kernels_cpu.evict's modes
+PROTECT_RECENT = 32  # positions before a batch no policy evicts (kvcache.RECENT: the exact tier is kept whole)
+OBSERVE = 32  # a prefill batch's last queries that score the keys (SnapKV's window)
+
+
+def check_policy(policy: str) -> str:
+    if policy not in EVICT_POLICIES:
+        raise EdgekvError(f"unknown eviction policy {policy!r} (choose {', '.join(EVICT_POLICIES)})")
+    return policy
+
+
+class Evictor:
+    """One layer's eviction state: importance per slot, protected slots, and the ring slot of each
+    exact-copy row's token (an int ring reads recent tokens from those rows, and their attention
+    must reach the slot)."""
+
+    def __init__(self, policy: str, lk, recent: int = PROTECT_RECENT):
+        cap = lk.capacity
+        self.policy, self.mode = policy, _MODES[policy]
+        self.score = np.zeros(cap, np.float32)  # (cap,) mean attention (h2o: summed over queries)
+        self.keep = np.zeros(cap, np.bool_)  # (cap,) protected tokens (KVCache.protect)
+        self.rslot = np.full(lk.first + lk.recent, -1, np.int64)  # (first + recent,) slot of each exact row's token
+        self.recent = max(recent, lk.recent)
+        self.window = lk.window
+        self.pending: set[int] = set()  # positions to protect once stored
+        self.evicted = 0  # tokens overwritten
+        self.lost = 0.0  # their attention (mean per query) when overwritten, summed
+
+    @property
+    def kernel(self) -> tuple:
+        """(mode, score, rslot) as kvquant.kv_decode_layer takes them."""
+        return self.mode, self.score, self.rslot
+
+    def plan(self, lk, q_pos: np.ndarray):
+        """LayerKV.plan once the batch overflows the ring: its slots chosen (free ones first),
+        stored before it attends, no sink shift, every slot read."""
+        from .kernels_cpu.evict import choose
+        from .kvcache import Plan
+
+        n, p0 = len(q_pos), int(q_pos[0])
+        nw, cap, s, r, f = lk.n_written, lk.capacity, lk.n_sink, lk.recent, lk.first
+        fill = min(nw, cap)
+        need = n - (cap - fill)
+        victims = choose(self.score, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, need)
+        if victims is None:
+            raise ContextError(f"a batch of {n} tokens does not fit a {cap}-token ring that protects "
+                               f"{s} sinks and the last {self.recent} tokens (KVCache.batch_limit)")
+        self._account(lk, victims, p0)
+        slots = victims if fill == cap else np.concatenate([np.arange(fill, cap, dtype=np.int64), victims])
+        last = p0 + n - 1
+        return Plan(p0, n, True, cap, lk.exact_from if lk.exact_from >= 0 else p0, 0, int(slots[0]),
+                    (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r, slots)
+
+    def _account(self, lk, victims: np.ndarray, p0: int) -> None:
+        live = lk.pos[victims]
+        live_v = victims[live >= 0]
+        if not len(live_v):
+            return
+        sc = self.score[live_v].astype(np.float64)
+        if self.mode == 1:  # accumulated: per query seen
+            sc = sc / np.maximum(p0 - lk.pos[live_v], 1)
+        self.evicted += len(live_v)
+        self.lost += float(sc.sum())
+
+    def placed(self, plan) -> None:
+        """The batch's slots hold new tokens: no importance yet, protected if marked."""
+        if plan.n == 1:  # decode: plain ints
+            self.score[plan.slot] = 0.0
+            self.keep[plan.slot] = bool(self.pending) and plan.p0 in self.pending
+            self.pending.discard(plan.p0)
+            return
+        rows, slots = plan.writers
+        self.score[slots] = 0.0
+        if not self.pending:
+            self.keep[slots] = False
+            return
+        p = plan.p0 + rows
+        self.keep[slots] = [int(x) in self.pending for x in p]
+        self.pending.difference_update(int(x) for x in p)
+
+    def committed(self, plan) -> None:
+        """The exact rows the batch wrote: their tokens' slots."""
+        if not len(self.rslot):
+            return
+        if plan.n == 1:
+            self.rslot[plan.exact_row] = plan.slot
+            return
+        rows, dst = plan.exact
+        _, slots = plan.writers
+        self.rslot[dst] = slots[rows]
+
+    def scores_for(self, plan, n_head: int, n_fresh: int) -> np.ndarray:
+        """A filled (n_obs, H, width) array for kv_attention's scores over this plan's keys."""
+        from .kernels_cpu.kvquant import SCORE_NONE
+
+        return np.full((min(plan.n, OBSERVE), n_head, plan.n_ring + len(self.rslot) + n_fresh), SCORE_NONE, np.float32)
+
+    def reset(self) -> None:
+        self.score[:] = 0.0
+        self.keep[:] = False
+        self.rslot[:] = -1
+        self.pending.clear()
+        self.evicted, self.lost = 0, 0.0
+
+    def copy(self, lk) -> "Evictor":
+        twin = Evictor(self.policy, lk, self.recent)
+        twin.score[:], twin.keep[:], twin.rslot[:] = self.score, self.keep, self.rslot
+        twin.pending, twin.evicted, twin.lost = set(self.pending), self.evicted, self.lost
+        return twin

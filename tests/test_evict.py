@@ -1,0 +1,246 @@
+"""Eviction policies (edgekv/evict.py): the slots a full ring overwrites, checked against a plain
+numpy implementation of each policy (f16) and against the numpy reference backend (every cache
+type), through a ring that wraps several times, prefill batches that evict as they go, and
+sliding-window layers; the protected tokens; the API and the CLI."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import llamacpp_fixture, model_path, open_model
+
+H, HKV, HD, CAP = 4, 2, 32, 64
+SCALE = HD ** -0.5
+
+
+def _rope():
+    from edgekv.rope import Rope
+
+    return Rope(10000.0 ** (-np.arange(0, HD, 2) / HD), False)
+
+
+def _qkv(rng, n):
+    # peaked scores (std ~2.8 after scaling): importance differs clearly from token to token
+    return (rng.standard_normal((n, H, HD)).astype(np.float32) * 2, rng.standard_normal((n, HKV, HD)).astype(np.float32) * 2,
+            rng.standard_normal((n, HKV, HD)).astype(np.float32))
+
+
+def _kept(lk) -> set:
+    return set(lk.pos[: lk.fill][lk.pos[: lk.fill] >= 0].tolist())
+
+
+class NumpyPolicy:
+    """The policy written out plainly for an f16 ring of one layer: every token kept at its true
+    position, attention over the kept ones, the least important unprotected one dropped."""
+
+    def __init__(self, policy, cap, n_sink=4, recent=32, window=0):
+        self.policy, self.cap, self.n_sink, self.recent, self.window = policy, cap, n_sink, recent, window
+        self.k, self.v, self.score = {}, {}, {}  # by position
+        self.protected: set = set()
+
+    def step(self, q, k, v, p0):
+        n = len(q)
+        over = len(self.k) + n - self.cap
+        if over > 0:  # drop the least important (out of the window first), never sinks / recent / marked
+            cand = [p for p in self.k if p >= self.n_sink and p < p0 - self.recent]
+            key = {p: (-1.0 if self.window and p0 - p >= self.window else self.score[p] + (1e30 if p in self.protected else 0))
+                   for p in cand}
+            for p in sorted(cand, key=lambda p: key[p])[:over]:
+                del self.k[p], self.v[p], self.score[p]
+        for i in range(n):
+            self.k[p0 + i] = k[i].astype(np.float16).astype(np.float32)
+            self.v[p0 + i] = v[i].astype(np.float16).astype(np.float32)
+            self.score[p0 + i] = 0.0
+        pos = np.array(sorted(self.k))
+        K = np.stack([self.k[p] for p in pos])  # (T, Hkv, hd)
+        V = np.stack([self.v[p] for p in pos])
+        K, V = np.repeat(K, H // HKV, axis=1), np.repeat(V, H // HKV, axis=1)
+        s = np.einsum("nhd,thd->hnt", q.astype(np.float64), K) * SCALE
+        qp = p0 + np.arange(n)
+        dist = qp[:, None] - pos[None, :]
+        seen = (dist >= 0) & ((dist < self.window) if self.window else True)
+        s = np.where(seen[None], s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        imp = pr[:, -32:].mean(axis=(0, 1))  # heads, the last 32 queries
+        if self.policy == "tova":
+            self.score = dict.fromkeys(self.score, 0.0)
+        for p, x in zip(pos, imp):
+            self.score[int(p)] += float(x)
+        return np.einsum("hnt,thd->nhd", pr, V)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_f16_ring_evicts_as_the_plain_policy(policy):
+    """CPU backend (one-token decode step, prefill batches) against NumpyPolicy: the same kept
+    positions after every step and the same attention output, through 5 wraps of the ring."""
+    from edgekv.backends.cpu import CPUBackend
+    from edgekv.kvcache import KVCache
+
+    rng = np.random.default_rng(1)
+    be, lk = CPUBackend(), KVCache([CAP], HKV, HD, n_sink=4, kind="f16", evict=policy)[0]
+    ref = NumpyPolicy(policy, CAP)
+    p, steps = 0, [40] + [1] * 100 + [7, 9] + [1] * 150 + [12] + [1] * 30
+    for n in steps:
+        q, k, v = _qkv(rng, n)
+        out = be.attention(q, np.arange(p, p + n, dtype=np.int64), lk, k, v, SCALE, _rope())
+        want = ref.step(q, k, v, p)
+        p += n
+        assert _kept(lk) == set(ref.k), f"after position {p - 1}"
+        np.testing.assert_allclose(out, want, atol=2e-3, rtol=2e-3)
+    assert lk.evictor.evicted == p - CAP
+
+
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_every_cache_type_evicts_as_the_reference_backend(kind, policy):
+    """CPU kernels (scores from kv_attention and the fused decode step, int kinds' exact tiers)
+    against the numpy reference backend: same kept positions, same importance, same output; the
+    sinks, the last 32 positions and marked positions are always kept."""
+    from edgekv.backends.cpu import CPUBackend
+    from edgekv.backends.reference import ReferenceBackend
+    from edgekv.kvcache import KVCache
+
+    rng = np.random.default_rng(2)
+    bes = [CPUBackend(), ReferenceBackend()]
+    caches = [KVCache([CAP], HKV, HD, n_sink=4, kind=kind, evict=policy) for _ in bes]
+    marked = [45, 46, 120]
+    for c in caches:
+        c.protect(marked)
+    p = 0
+    for n in [30] + [1] * 90 + [8, 5] + [1] * 120 + [14] + [1] * 20:
+        q, k, v = _qkv(rng, n)
+        outs = [be.attention(q, np.arange(p, p + n, dtype=np.int64), c[0], k, v, SCALE, _rope())
+                for be, c in zip(bes, caches)]
+        p += n
+        a, b = (c[0] for c in caches)
+        assert _kept(a) == _kept(b), f"after position {p - 1}"
+        np.testing.assert_allclose(a.evictor.score, b.evictor.score, atol=1e-5)
+        np.testing.assert_allclose(outs[0], outs[1], atol=3e-3, rtol=3e-3)
+        kept = _kept(a)
+        assert len(kept) == a.fill == min(p, CAP)  # one position per slot, none lost
+        assert max(kept) == p - 1
+        assert set(range(4)) <= kept and set(range(max(0, p - 32), p)) <= kept  # sinks, recent window
+        assert {m for m in marked if m < p} <= kept
+    assert a.evictor.evicted == p - CAP
+
+
+def test_sliding_window_layer_evicts_what_left_its_window_first():
+    """A sliding layer whose ring (48) is smaller than its window (80) evicts by importance inside
+    the window and drops what left it first; with a ring of its whole window it has no policy."""
+    from edgekv.backends.cpu import CPUBackend
+    from edgekv.kvcache import KVCache
+
+    assert KVCache([80], HKV, HD, windows=[80], evict="tova")[0].evictor is None
+    rng = np.random.default_rng(3)
+    be = CPUBackend()
+    lk = KVCache([48], HKV, HD, windows=[80], kind="f16", evict="tova")[0]
+    assert lk.n_sink == 0 and lk.span == 80
+    ref = NumpyPolicy("tova", 48, n_sink=0, window=80)
+    p = 0
+    for n in [20] + [1] * 200:
+        q, k, v = _qkv(rng, n)
+        out = be.attention(q, np.arange(p, p + n, dtype=np.int64), lk, k, v, SCALE, _rope())
+        want = ref.step(q, k, v, p)
+        p += n
+        assert _kept(lk) == set(ref.k)
+        np.testing.assert_allclose(out, want, atol=2e-3, rtol=2e-3)
+    assert min(_kept(lk)) > p - 1 - 80
+
+
+def test_a_batch_too_large_for_the_ring_is_one_error():
+    from edgekv.backends.cpu import CPUBackend
+    from edgekv.errors import ContextError
+    from edgekv.kvcache import KVCache
+
+    rng = np.random.default_rng(4)
+    cache = KVCache([CAP], HKV, HD, kind="int8", evict="h2o")
+    assert cache.batch_limit == (CAP - 4 - 32) // 2
+    q, k, v = _qkv(rng, CAP)
+    CPUBackend().attention(q, np.arange(CAP), cache[0], k, v, SCALE, _rope())
+    q, k, v = _qkv(rng, 29)
+    with pytest.raises(ContextError, match="does not fit"):
+        CPUBackend().attention(q, np.arange(CAP, CAP + 29), cache[0], k, v, SCALE, _rope())
+
+
+def _decode(model, ids, kind, policy, fused):
+    from edgekv.kvcache import KVCache
+
+    cfg = model.cfg
+    windows = cfg.windows()
+    cache = KVCache([w if w else 72 for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows, kind=kind,
+                    evict=policy)
+    saved = model.blocks
+    if not fused:
+        model.blocks = [None] * len(saved)
+    try:
+        out = [model.forward(np.asarray(ids[:20]), np.arange(20), cache)]
+        for p in range(20, len(ids)):
+            out.append(model.forward(np.asarray(ids[p : p + 1]), np.array([p]), cache))
+    finally:
+        model.blocks = saved
+    return np.concatenate(out), cache
+
+
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+def test_fused_decode_block_evicts_as_the_op_by_op_path(model_key, kind):
+    """The fused decode block's scores (kernels_cpu/block.py) are the op-by-op path's: the same
+    tokens kept in every layer, the same logits, through a 72-token ring wrapped 2x."""
+    _, model = open_model(model_key, "cpu")
+    P = llamacpp_fixture(model_key)["prompts"]
+    ids = sum((x["prompt_ids"] + x["continuation"] for x in P), [])[:200]
+    policy = "h2o" if kind == "int8" else "tova"
+    fused, fc = _decode(model, ids, kind, policy, True)
+    plain, pc = _decode(model, ids, kind, policy, False)
+    for a, b in zip(fc.layers, pc.layers):
+        assert _kept(a) == _kept(b)
+        assert (a.evictor is None) == (b.evictor is None) == bool(a.window)  # gemma3's local layers keep their window
+    assert sum(lk.evictor.evicted for lk in fc.layers if lk.evictor) > 0
+    rel = np.linalg.norm(fused - plain, axis=-1) / np.linalg.norm(plain, axis=-1)
+    assert rel.max() < 1e-3, rel.max()
+
+
+def test_api_policies_and_protected_template_tokens():
+    """edgekv.load(evict=...): a chat longer than the ring prefills in chunks that evict as they
+    go, keeps every control token (role markers, turn ends) and the role name after each."""
+    import edgekv
+    from edgekv.errors import EdgekvError
+
+    assert edgekv.EVICT_POLICIES[0] == "window" and {"h2o", "tova"} <= set(edgekv.EVICT_POLICIES)
+    with pytest.raises(EdgekvError, match="unknown eviction policy 'lru'"):
+        edgekv.LLM(model_path("smollm2"), evict="lru")
+    llm = edgekv.LLM(model_path("smollm2"), n_ctx=128, kv="int4", evict="tova", prompt_cache=False)
+    msgs = [{"role": "user", "content": open(__file__).read()[:1200]}]
+    ids, _ = llm.chat_prompt(msgs)
+    assert len(ids) > 2 * 128
+    r = llm.chat(msgs, max_tokens=4)
+    st = llm.stats.as_dict()
+    assert st["evict"] == "tova" and st["kv_evicted"] > 0 and 0 < st["kv_kept_mass"] <= 1
+    assert st["kv_tokens"] == 128 and r["choices"][0]["message"]["content"] is not None
+    seq_cache = llm.new_cache()
+    llm.forward(ids, seq_cache, 0)
+    ctrl = set(llm.tokenizer.control_ids())
+    want = {i for i, t in enumerate(ids) if t in ctrl} | {i + 1 for i, t in enumerate(ids) if t in ctrl and i + 1 < len(ids)}
+    assert want and all(want <= _kept(lk) for lk in seq_cache.layers)
+    from edgekv.cli import _kv_line
+
+    sess = llm.session(temperature=0, max_tokens=4)
+    sess.send(msgs[0]["content"])
+    line = _kv_line(sess)
+    assert f"evict tova: {sess.stats.kv_evicted} tokens evicted" in line and sess.stats.kv_evicted > 0
+
+
+def test_cli_perplexity_ring_evict(capsys):
+    """`edgekv perplexity --ring N --evict ...`: the JSON per cache and policy, scored from N on,
+    each full ring having evicted (tokens fed - N) tokens per layer."""
+    from edgekv.cli import main
+
+    rc = main(["perplexity", str(model_path("smollm2")), __file__, "--ring", "64", "--tokens", "120", "--evict", "window,h2o", "--kv", "int8", "-q"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    res = out["results"]
+    assert out["ring"] == 64 and set(res) == {"uncapped f16", "int8/window", "int8/h2o"}
+    for name in ("int8/window", "int8/h2o"):
+        assert res[name]["n_scored"] == res["uncapped f16"]["n_scored"] == 120 - 1 - 64
+        assert res[name]["kv_evicted"] == (119 - 64) * 30 and res[name]["mean_kl"] > 0
+        assert 0 <= res[name]["top1_agreement"] <= 1
