@@ -46,7 +46,8 @@ KERNELS = (("qmatmul", "_qmatvec"), ("igemm", "_igemm"), ("qmatmul", "_dequant_r
            ("ops", "_silu_mul_serial"), ("ops", "_silu_mul_parallel"), ("ops", "_gelu_mul_serial"),
            ("ops", "_gelu_mul_parallel"), ("kvquant", "_store_core"), ("kvquant", "_kv_space_core"),
            ("kvquant", "_attn_core"), ("kvquant", "_decode_core"), ("kvquant", "_hadamard_serial"),
-           ("kvquant", "_hadamard_parallel"), ("block", "_block_core"))
+           ("kvquant", "_hadamard_parallel"), ("block", "_block_core"), ("evict", "_score_update"),
+           ("evict", "_choose"))
 _H, _HKV, _HD, _D, _FF = 2, 1, 64, 128, 256  # the synthetic model: heads, kv heads, head dim, width, ffn
 _ROPE = plain(10000.0, _HD)  # llama-style rope over the whole head
 
@@ -70,10 +71,10 @@ def _weight(rows: int | tuple, k: int, rng):
     return QWeight(raws[0] if len(raws) == 1 else tuple(raws), Q8_0)
 
 
-def _layer(kind: str = "int8", capacity: int = 16):
+def _layer(kind: str = "int8", capacity: int = 16, evict: str = "window"):
     from .kvcache import KVCache
 
-    return KVCache([capacity], _HKV, _HD, n_sink=4, kind=kind)[0]
+    return KVCache([capacity], _HKV, _HD, n_sink=4, kind=kind, evict=evict)[0]
 
 
 def _attend(be, kv, rng, p0: int, n: int) -> None:
@@ -102,6 +103,10 @@ def _attention(be, rng) -> None:
         _attend(be, kv, rng, p, 1)
     kvquant.hadamard_(_rand(rng, kvquant.KV_HADAMARD_PAR_MIN // _HD, _HD))  # a long prompt's sink queries
     kvquant.hadamard_(_rand(rng, 2, _HD))
+    kv = _layer(capacity=40, evict="tova")  # an importance policy (--evict): scored attention, then victims once full
+    _attend(be, kv, rng, 0, 36)
+    for p in range(36, 44):
+        _attend(be, kv, rng, p, 1)
 
 
 def _prefill(be, rng) -> None:

@@ -16,7 +16,7 @@ from test_cli_signals import ENV, Terminal, _clean
 
 
 def _dispatchers():
-    for mod in ("qmatmul", "igemm", "ops", "kvquant", "block"):
+    for mod in ("qmatmul", "igemm", "ops", "kvquant", "block", "evict"):
         m = importlib.import_module(f"edgekv.kernels_cpu.{mod}")
         for name, d in vars(m).items():
             if isinstance(d, CPUDispatcher) and d.py_func.__module__ == m.__name__:  # not imported ones
@@ -53,7 +53,7 @@ import importlib
 from numba.core.registry import CPUDispatcher
 from edgekv import warmup
 warmup.prepare(progress=False, force=True, workers=1)
-for mod in ("qmatmul", "igemm", "ops", "kvquant", "block"):
+for mod in ("qmatmul", "igemm", "ops", "kvquant", "block", "evict"):
     m = importlib.import_module("edgekv.kernels_cpu." + mod)
     for name, d in vars(m).items():
         if isinstance(d, CPUDispatcher) and d.py_func.__module__ == m.__name__ and d.signatures \
