@@ -100,8 +100,8 @@ def test_compare_runs_the_runtimes_in_turn_when_both_do_not_fit(tmp_path, monkey
 
     def track(cls):
         class Tracked(cls):
-            def __init__(self, *a):
-                super().__init__(*a)
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
                 alive.add(self)
 
             def run(self, case, rng):
