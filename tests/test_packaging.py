@@ -27,7 +27,7 @@ LAYERS = [
               "edgekv.rope", "edgekv.hub"}),
     ("kernels", {"edgekv.kernels_cpu", "edgekv.kernels_gpu"}),
     ("models", {"edgekv.models"}),  # beside the kernels: neither knows the other
-    ("cache, backends", {"edgekv.kvcache", "edgekv.evict", "edgekv.kvfile", "edgekv.backends"}),
+    ("cache, backends", {"edgekv.kvcache", "edgekv.pages", "edgekv.evict", "edgekv.kvfile", "edgekv.backends"}),
     ("generation", {"edgekv.sampling", "edgekv.generate", "edgekv.beam", "edgekv.session", "edgekv.prompt_cache",
                     "edgekv.tokenizer", "edgekv.chat_template", "edgekv.llm"}),
     ("API, CLI", {"edgekv", "edgekv.cli", "edgekv.bench", "edgekv.warmup", "edgekv.synth", "edgekv.perplexity",
