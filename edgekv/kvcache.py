@@ -341,6 +341,14 @@ class LayerKV:
         twin.evictor = self.evictor.copy(twin) if self.evictor is not None else None  # evicts as this ring would
         return twin
 
+    def map_frozen(self, frozen: dict) -> None:
+        """Map the slot arrays from `frozen` (pages.Frozen of this ring's filled rows) in place of
+        its own: all made before any is replaced, so a failed mapping leaves the ring as it was."""
+        arrays = {name: f.array() for name, f in frozen.items()}
+        for name, a in arrays.items():
+            setattr(self, name, a)
+        self.frozen, self.clean, self.backend_state = frozen, self.fill, None
+
     def adopt(self, other: "LayerKV") -> None:
         """Hold what `other` (a ring of the same shape) holds, as a fork of it would, in place of
         what this ring held; other is left as it is."""
@@ -397,14 +405,14 @@ class LayerKV:
     def take_state(self, n_written: int, arrays: dict[str, np.ndarray], frozen: dict | None = None) -> None:
         """Hold a `checked` state: its arrays copied in, or with frozen (its slot arrays frozen,
         pages.freeze) those mapped instead of copied."""
+        self.n_written = n_written
+        if frozen is not None:
+            self.map_frozen(frozen)
+        else:
+            self.frozen, self.clean = None, 0
         for name in LAYER_ARRAYS:
-            if frozen is not None and name in frozen:
-                setattr(self, name, frozen[name].array())
-            else:
+            if frozen is None or name not in frozen:
                 getattr(self, name)[: len(arrays[name])] = arrays[name]
-        self.n_written, self.frozen = n_written, frozen
-        self.clean = self.fill if frozen is not None else 0
-        self.backend_state = None if frozen is not None else self.backend_state
         live = self.rpos[self.first:][self.rpos[self.first:] >= 0]
         self.exact_from = int(live.min()) if len(live) else -1
         self.epoch += 1
@@ -440,11 +448,7 @@ def freeze(layers: list[LayerKV]) -> list[dict | None]:
     try:
         made = iter(pages.freeze(items))
         for lk in todo:
-            frozen = {name: next(made) for name in lk.slot_arrays}
-            arrays = {name: f.array() for name, f in frozen.items()}
-            for name, a in arrays.items():
-                setattr(lk, name, a)
-            lk.frozen, lk.clean, lk.backend_state = frozen, lk.fill, None
+            lk.map_frozen({name: next(made) for name in lk.slot_arrays})
     except OSError:  # out of descriptors or mappings: what is not frozen yet is copied instead
         pass
     return [lk.frozen if lk.frozen is not None and lk.clean >= lk.fill else None for lk in layers]
