@@ -42,6 +42,21 @@ def open_model(key: str, device: str):
     return f, build_model(f, get_backend(device))
 
 
+def decode_logits(model, ids: list[int], cache, fused: bool, n_prefill: int) -> np.ndarray:
+    """Logits of ids[:n_prefill] prefilled, then of each later id fed one at a time, through
+    cache: with the model's fused decode blocks (fused) or its op-by-op code (blocks switched off)."""
+    saved = model.blocks
+    if not fused:
+        model.blocks = [None] * len(saved)
+    try:
+        out = [model.forward(np.asarray(ids[:n_prefill]), np.arange(n_prefill), cache)]
+        for p in range(n_prefill, len(ids)):
+            out.append(model.forward(np.asarray(ids[p : p + 1]), np.array([p]), cache))
+    finally:
+        model.blocks = saved
+    return np.concatenate(out)
+
+
 def teacher_forced_logits(model, ids: list[int], n_ctx: int = 4096, kind: str = "f16") -> np.ndarray:
     """Logits after every prefix of ids, prefilled in chunks of 512 like llama.cpp's batches."""
     from edgekv.kvcache import KVCache

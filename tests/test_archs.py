@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, row_agreement, teacher_forced_logits
+from conftest import FIXTURES, decode_logits, row_agreement, teacher_forced_logits
 
 MIN_TOP1, MAX_KL = 0.95, 0.01
 CASES = ("llama3", "qwen3", "granite", "nemo", "gemma2", "phi3", "phi4")  # nemo: llama with 128-wide heads from key_length
@@ -257,17 +257,7 @@ def _decode_logits(model, ids: list[int], kind: str, fused: bool, n_ctx: int = 4
     the window on a sliding-window layer (wraps too)."""
     from edgekv.kvcache import KVCache
 
-    cache = KVCache.for_model(model.cfg, n_ctx, kind)
-    saved = model.blocks
-    if not fused:
-        model.blocks = [None] * len(saved)
-    try:
-        out = [model.forward(np.asarray(ids[:8]), np.arange(8), cache)]
-        for p in range(8, len(ids)):
-            out.append(model.forward(np.asarray(ids[p : p + 1]), np.array([p]), cache))
-    finally:
-        model.blocks = saved
-    return np.concatenate(out)
+    return decode_logits(model, ids, KVCache.for_model(model.cfg, n_ctx, kind), fused, 8)
 
 
 @pytest.mark.parametrize("case", CASES)

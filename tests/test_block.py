@@ -5,27 +5,19 @@ a ring that wraps (sinks seen through the counter-rotated query)."""
 import numpy as np
 import pytest
 
-from conftest import llamacpp_fixture, open_model
+from conftest import decode_logits, llamacpp_fixture, open_model
 
 N_CTX = 40  # global layers' ring: 8 + 72 tokens wrap it; gemma3's local layers keep 512
 
 
 def _decode_logits(model, ids: list[int], kind: str, fused: bool) -> np.ndarray:
+    """8 tokens prefilled (op by op either way), then one at a time through a ring of N_CTX."""
     from edgekv.kvcache import KVCache
 
     cfg = model.cfg
     windows = cfg.windows()
     cache = KVCache([w if w else N_CTX for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows, kind=kind)
-    saved = model.blocks
-    if not fused:
-        model.blocks = [None] * len(saved)
-    try:
-        out = [model.forward(np.asarray(ids[:8]), np.arange(8), cache)]  # prefill: op by op either way
-        for p in range(8, len(ids)):
-            out.append(model.forward(np.asarray(ids[p : p + 1]), np.array([p]), cache))
-    finally:
-        model.blocks = saved
-    return np.concatenate(out)
+    return decode_logits(model, ids, cache, fused, 8)
 
 
 @pytest.mark.parametrize("kind", ["f16", "int8", "int4"])

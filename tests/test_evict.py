@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import llamacpp_fixture, model_path, open_model
+from conftest import decode_logits, llamacpp_fixture, model_path, open_model
 
 H, HKV, HD, CAP = 4, 2, 32, 64
 SCALE = HD ** -0.5
@@ -170,16 +170,7 @@ def _decode(model, ids, kind, policy, fused):
     windows = cfg.windows()
     cache = KVCache([w if w else 72 for w in windows], cfg.n_head_kv, cfg.head_dim, windows=windows, kind=kind,
                     evict=policy)
-    saved = model.blocks
-    if not fused:
-        model.blocks = [None] * len(saved)
-    try:
-        out = [model.forward(np.asarray(ids[:20]), np.arange(20), cache)]
-        for p in range(20, len(ids)):
-            out.append(model.forward(np.asarray(ids[p : p + 1]), np.array([p]), cache))
-    finally:
-        model.blocks = saved
-    return np.concatenate(out), cache
+    return decode_logits(model, ids, cache, fused, 20), cache
 
 
 @pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
