@@ -9,6 +9,12 @@ decode step), one float per slot, and the least important unprotected token is o
   tova  the last query's attention alone (TOVA)
 
 A prefill batch scores the keys with its last OBSERVE queries (SnapKV's observation window).
+A prompt longer than the ring (bounded prefill) is prefilled in chunks that evict as they go, so
+the question at its end would come after what it asks about is gone. Before each chunk that
+evicts, the prompt's last OBSERVE tokens run as a probe (LLM.forward: attend only, nothing
+stored, at the positions right after the cache), and their attention, max-pooled over POOL
+neighbouring positions so a number's digits or a name's pieces stay together (SnapKV), is added
+to each token's importance until the next probe: what the question will look for survives.
 Never evicted: the sinks, the last `recent` positions before a batch (at least the int kinds'
 exact tier), and positions marked with `KVCache.protect` (the chat template's control tokens:
 role markers, turn boundaries; evicted only when nothing else is left). Positions stay exact:
@@ -24,8 +30,10 @@ from .errors import ContextError, EdgekvError
 
 EVICT_POLICIES = ("window", "h2o", "tova")
 _MODES = {"h2o": 1, "tova": 2}  # kernels_cpu.evict's modes
+MODE_TOVA = _MODES["tova"]
 PROTECT_RECENT = 32  # positions before a batch no policy evicts (kvcache.RECENT: the exact tier is kept whole)
 OBSERVE = 32  # a prefill batch's last queries that score the keys (SnapKV's window)
+POOL = 7  # positions a probe's scores are max-pooled over (SnapKV's kernel)
 
 
 def check_policy(policy: str) -> str:
@@ -43,6 +51,8 @@ class Evictor:
         cap = lk.capacity
         self.policy, self.mode = policy, _MODES[policy]
         self.score = np.zeros(cap, np.float32)  # (cap,) mean attention (h2o: summed over queries)
+        self.probe = np.zeros(cap, np.float32)  # (cap,) the last probe's attention, pooled (0: none)
+        self.probed = False  # a probe has run since the last reset (plan adds its scores)
         self.keep = np.zeros(cap, np.bool_)  # (cap,) protected tokens (KVCache.protect)
         self.rslot = np.full(lk.first + lk.recent, -1, np.int64)  # (first + recent,) slot of each exact row's token
         self.recent = max(recent, lk.recent)
@@ -50,6 +60,21 @@ class Evictor:
         self.pending: set[int] = set()  # positions to protect once stored
         self.evicted = 0  # tokens overwritten
         self.lost = 0.0  # their attention (mean per query) when overwritten, summed
+
+    def target(self, plan) -> tuple[int, np.ndarray]:
+        """(mode, scores) a batch's attention updates: a probe's replaces the probe scores."""
+        return (MODE_TOVA, self.probe) if plan.probe else (self.mode, self.score)
+
+    def pool(self, lk) -> None:
+        """After a probe: each kept token's probe score becomes the largest among its POOL
+        nearest kept positions (in position order, whatever the slots)."""
+        self.probed = True
+        live = np.flatnonzero(lk.pos[: lk.fill] >= 0)
+        if len(live) < POOL:
+            return
+        live = live[np.argsort(lk.pos[live], kind="stable")]
+        sc = np.pad(self.probe[live], POOL // 2, constant_values=0.0)
+        self.probe[live] = np.lib.stride_tricks.sliding_window_view(sc, POOL).max(axis=1)
 
     @property
     def kernel(self) -> tuple:
@@ -66,7 +91,7 @@ class Evictor:
         nw, cap, s, r, f = lk.n_written, lk.capacity, lk.n_sink, lk.recent, lk.first
         fill = min(nw, cap)
         need = n - (cap - fill)
-        victims = choose(self.score, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, need)
+        victims = choose(self.score + self.probe if self.probed else self.score, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, need)
         if victims is None:
             raise ContextError(f"a batch of {n} tokens does not fit a {cap}-token ring that protects "
                                f"{s} sinks and the last {self.recent} tokens (KVCache.batch_limit)")
@@ -90,12 +115,12 @@ class Evictor:
     def placed(self, plan) -> None:
         """The batch's slots hold new tokens: no importance yet, protected if marked."""
         if plan.n == 1:  # decode: plain ints
-            self.score[plan.slot] = 0.0
+            self.score[plan.slot] = self.probe[plan.slot] = 0.0
             self.keep[plan.slot] = bool(self.pending) and plan.p0 in self.pending
             self.pending.discard(plan.p0)
             return
         rows, slots = plan.writers
-        self.score[slots] = 0.0
+        self.score[slots] = self.probe[slots] = 0.0
         if not self.pending:
             self.keep[slots] = False
             return
@@ -121,7 +146,8 @@ class Evictor:
         return np.full((min(plan.n, OBSERVE), n_head, plan.n_ring + len(self.rslot) + n_fresh), SCORE_NONE, np.float32)
 
     def reset(self) -> None:
-        self.score[:] = 0.0
+        self.score[:] = self.probe[:] = 0.0
+        self.probed = False
         self.keep[:] = False
         self.rslot[:] = -1
         self.pending.clear()
@@ -129,6 +155,6 @@ class Evictor:
 
     def copy(self, lk) -> "Evictor":
         twin = Evictor(self.policy, lk, self.recent)
-        twin.score[:], twin.keep[:], twin.rslot[:] = self.score, self.keep, self.rslot
-        twin.pending, twin.evicted, twin.lost = set(self.pending), self.evicted, self.lost
+        twin.score[:], twin.probe[:], twin.keep[:], twin.rslot[:] = self.score, self.probe, self.keep, self.rslot
+        twin.pending, twin.evicted, twin.lost, twin.probed = set(self.pending), self.evicted, self.lost, self.probed
         return twin

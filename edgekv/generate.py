@@ -13,6 +13,7 @@ from typing import Iterator, Sequence as Seq
 import numpy as np
 
 from .errors import EdgekvError
+from .evict import OBSERVE
 from .sampling import Sampler
 
 UBATCH = 512  # prefill chunk: bounds activation memory, and the attention working set
@@ -87,6 +88,7 @@ class Sequence:
         self.llm = llm
         self.cache = cache if cache is not None else llm.new_cache()
         self.tokens: list[int] = []
+        self.observe = None  # while feeding a long input: its last ids (an eviction policy's probe)
         self._serial = getattr(llm.backend, "serial", _NO_DEFER)  # the backend's: forward passes may take turns
 
     def fork(self) -> "Sequence":
@@ -106,10 +108,14 @@ class Sequence:
         if len(ids) == 1:  # decode: no chunking
             return self._run(ids)
         logits = None
-        for part in self._parts(ids):
-            if cancel is not None and cancel.is_set():
-                return None
-            logits = self._run(part)
+        self.observe = ids[-OBSERVE:]  # each part's probe, under an eviction policy (LLM.forward)
+        try:
+            for part in self._parts(ids):
+                if cancel is not None and cancel.is_set():
+                    return None
+                logits = self._run(part)
+        finally:
+            self.observe = None
         return logits
 
     def _run(self, ids: Seq[int]) -> np.ndarray:
@@ -158,9 +164,9 @@ def run(seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
     with _DeferSigint() if wraps else _NO_DEFER, seqs[0]._serial:
         try:
             if len(seqs) == 1:
-                logits = [llm.forward(parts[0], seqs[0].cache, len(seqs[0].tokens))[-1]]
+                logits = [llm.forward(parts[0], seqs[0].cache, len(seqs[0].tokens), observe=seqs[0].observe)[-1]]
             else:
-                logits = llm.forward_batch([(p, s.cache, len(s.tokens)) for s, p in zip(seqs, parts)])
+                logits = llm.forward_batch([(p, s.cache, len(s.tokens), s.observe) for s, p in zip(seqs, parts)])
         except BaseException:
             # Interrupted (an error) mid-batch: some layers hold this batch, others not.
             # Roll every layer back to the tokens we account for, so each cache stays coherent.

@@ -118,6 +118,7 @@ class Plan(NamedTuple):
     first: int
     recent: int
     slots: np.ndarray | None = None  # (n,) int64 ring slots an eviction policy chose (None: the ring's order)
+    probe: bool = False  # attend only (LayerKV.probe_plan): nothing stored, placed or committed
 
     @property
     def one_token(self) -> tuple[int, int, int, int]:
@@ -222,7 +223,19 @@ class LayerKV:
         return tuple.__new__(Plan, (p0, n, first, (nw + n if nw + n < cap else cap) if first else fill,
                                     self.exact_from if self.exact_from >= 0 else p0,
                                     last - cap + 1 if s and last >= cap else 0, _ring_slot(nw, cap, s),
-                                    (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r, None))
+                                    (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r, None, False))
+
+    def probe_plan(self, q_pos: np.ndarray) -> Plan:
+        """A batch that attends over what the layer holds, its own keys beside, and is never
+        stored: an eviction policy's probe (evict.Evictor.probe). Its rows have no slot (-1)."""
+        fill = min(self.n_written, self.capacity)
+        if self.evictor is None:  # the ring's own rules (sinks' shift, sliding span)
+            plan = self.plan(q_pos)
+        else:  # every slot read, no shift (as Evictor.plan)
+            p0 = q_pos.item(0)
+            plan = Plan(p0, len(q_pos), False, fill, self.exact_from if self.exact_from >= 0 else p0, 0, -1, -1,
+                        self.n_written, self.capacity, self.n_sink, self.first, self.recent)
+        return plan._replace(store_first=False, n_ring=fill, slots=np.full(len(q_pos), -1, np.int64), probe=True)
 
     def place(self, plan: Plan) -> None:
         """The batch is in its ring slots now: record their positions (attention reads them)."""
@@ -546,6 +559,16 @@ class KVCache:
         rooms = [(lk.capacity - lk.n_sink - lk.evictor.recent) // 2 for lk in self.layers if lk.evictor is not None]
         return max(1, min(rooms)) if rooms else None
 
+    def evicts(self, n: int) -> bool:
+        """Would a batch of n tokens make an eviction policy overwrite a token?"""
+        return any(lk.n_written + n > lk.capacity for lk in self.layers if lk.evictor is not None)
+
+    def probed(self) -> None:
+        """A probe (ProbeCache) has run over this cache: its scores count from now (Evictor.pool)."""
+        for lk in self.layers:
+            if lk.evictor is not None:
+                lk.evictor.pool(lk)
+
     def protect(self, positions) -> None:
         """Never evict these positions (chat-template tokens) once written, while anything else can go."""
         for lk in self.layers:
@@ -621,6 +644,23 @@ class BatchLayer(NamedTuple):
     def parts(self):
         """(layer, first row, end row) per sequence."""
         return zip(self.layers, self.starts, self.starts[1:])
+
+
+class ProbeLayer(NamedTuple):
+    """A layer seen by an eviction policy's probe: the attention step attends over it
+    (LayerKV.probe_plan) and changes nothing but the policy's probe scores."""
+
+    layer: LayerKV
+
+
+class ProbeCache:
+    """A cache as a model's forward pass over probe tokens sees it (`[i]`: a ProbeLayer)."""
+
+    def __init__(self, cache: KVCache):
+        self.views = [ProbeLayer(lk) for lk in cache.layers]
+
+    def __getitem__(self, layer: int) -> ProbeLayer:
+        return self.views[layer]
 
 
 class BatchCache:

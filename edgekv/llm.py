@@ -15,10 +15,10 @@ import numpy as np
 
 from .backends import get_backend
 from .errors import ContextError, EdgekvError
-from .evict import check_policy
+from .evict import OBSERVE, check_policy
 from .generate import UBATCH, Batcher, Event
 from .gguf_file import GGUFFile
-from .kvcache import KV_KINDS, BatchCache, KVCache, cache_bytes, capacities
+from .kvcache import KV_KINDS, BatchCache, KVCache, ProbeCache, cache_bytes, capacities
 
 _NO_STEP = contextlib.nullcontext()
 
@@ -96,15 +96,24 @@ class LLM:
             raise EdgekvError(f"token id out of range [0, {self.cfg.n_vocab})")
         return ids
 
-    def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True) -> np.ndarray:
-        """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH."""
+    def forward(self, ids, cache: KVCache, start_pos: int, *, last_only: bool = True, observe=None) -> np.ndarray:
+        """Run ids (placed at positions start_pos...) through the model in chunks of UBATCH.
+        Before a chunk that makes an eviction policy overwrite tokens, `observe` (default: the
+        last OBSERVE of ids; a prompt fed in parts passes its own end) runs as a probe."""
         ids = self._ids(ids)
         self._protect(cache, ids, start_pos)
         outs = []
         step = getattr(self.backend, "step", None)  # the CPU backend's thread count for this pass
-        ub = min(UBATCH, getattr(cache, "batch_limit", None) or UBATCH)  # an evicting ring takes less at once
+        limit = getattr(cache, "batch_limit", None)  # an evicting ring takes less at once
+        ub = min(UBATCH, limit or UBATCH)
+        if limit is None:  # no policy: nothing to probe for
+            observe = None
+        elif observe is None and ub < len(ids):
+            observe = ids[-OBSERVE:]
         for s in range(0, len(ids), ub):
             chunk = ids[s : s + ub]
+            if observe is not None and len(observe) > 1 and cache.evicts(len(chunk)):
+                self._probe(self._ids(observe), cache, start_pos + s)
             pos = np.arange(start_pos + s, start_pos + s + len(chunk), dtype=np.int64)
             with step(len(chunk)) if step else _NO_STEP:
                 logits = self.model.forward(chunk, pos, cache, last_only=last_only)
@@ -112,20 +121,30 @@ class LLM:
                 outs.append(logits)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
+    def _probe(self, ids: np.ndarray, cache: KVCache, start_pos: int) -> None:
+        """ids attend over the cache, as if they came next, and are not stored: the eviction
+        policy's probe scores (edgekv/evict.py), which the coming chunk's choice adds."""
+        step = getattr(self.backend, "step", None)
+        pos = np.arange(start_pos, start_pos + len(ids), dtype=np.int64)
+        with step(len(ids)) if step else _NO_STEP:
+            self.model.forward(ids, pos, ProbeCache(cache), last_only=True)
+        cache.probed()
+
     def forward_batch(self, batch: list[tuple]) -> list[np.ndarray]:
-        """Several sequences, each (ids, cache, start_pos) as in `forward` (a cache at most once):
+        """Several sequences, each (ids, cache, start_pos[, observe]) as in `forward` (a cache at most once):
         the logits (n_vocab,) after each one's last id, the same bits as `forward` gives it alone.
         Sequences of one token (decode) run as one pass over their stacked tokens, so each
         weight is read once for all of them, in groups of at most the backend's `batch_rows`
         (the rows its small-batch kernel computes exactly as one); longer ones run alone."""
-        batch = [(self._ids(ids), cache, int(start)) for ids, cache, start in batch]
+        observe = [b[3] if len(b) > 3 else None for b in batch]  # a prompt fed in parts: its end (forward)
+        batch = [(self._ids(b[0]), b[1], int(b[2])) for b in batch]
         if len({id(cache) for _, cache, _ in batch}) != len(batch):
             raise EdgekvError("forward_batch: each sequence needs a cache of its own (one appears twice)")
         out: list = [None] * len(batch)
         one = [j for j, (ids, _, _) in enumerate(batch) if len(ids) == 1]
         for j, (ids, cache, start) in enumerate(batch):
             if len(ids) > 1:
-                out[j] = self.forward(ids, cache, start)[-1]
+                out[j] = self.forward(ids, cache, start, observe=observe[j])[-1]
         rows = max(1, getattr(self.backend, "batch_rows", 1))
         step = getattr(self.backend, "step", None)
         for g in range(0, len(one), rows):

@@ -163,6 +163,88 @@ def test_a_batch_too_large_for_the_ring_is_one_error():
         CPUBackend().attention(q, np.arange(CAP, CAP + 29), cache[0], k, v, SCALE, _rope())
 
 
+def _state(lk) -> dict:
+    from edgekv.kvcache import LAYER_ARRAYS
+
+    ev = lk.evictor
+    return dict({a: getattr(lk, a).copy() for a in LAYER_ARRAYS}, n=lk.n_written, exact_from=lk.exact_from,
+                score=ev.score.copy(), keep=ev.keep.copy(), rslot=ev.rslot.copy(), evicted=ev.evicted)
+
+
+def _pooled(probe: np.ndarray, pos: np.ndarray, w: int = 7) -> np.ndarray:
+    """Max over each kept position's w nearest kept positions (in position order), plainly."""
+    live = sorted(np.flatnonzero(pos >= 0), key=lambda j: pos[j])
+    out = probe.copy()
+    for i, j in enumerate(live):
+        out[j] = max(probe[live[t]] for t in range(max(0, i - w // 2), min(len(live), i + w // 2 + 1)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+def test_a_probe_scores_what_it_attends_to_and_changes_nothing_else(kind):
+    """A probe (kvcache.ProbeLayer: a prompt's end looking at the ring before a chunk evicts)
+    stores, places and commits nothing: every array of the cache and the policy's own scores stay
+    as they were; its output and scores are the reference backend's, the scores then pooled over 7
+    neighbouring kept positions."""
+    from edgekv.backends.cpu import CPUBackend
+    from edgekv.backends.reference import ReferenceBackend
+    from edgekv.kvcache import KVCache, ProbeLayer
+
+    rng = np.random.default_rng(5)
+    bes = [CPUBackend(), ReferenceBackend()]
+    caches = [KVCache([CAP], HKV, HD, n_sink=4, kind=kind, evict="tova") for _ in bes]
+    p = 0
+    for n in [30, 20] + [1] * 40:  # a full ring that has evicted
+        q, k, v = _qkv(rng, n)
+        for be, c in zip(bes, caches):
+            be.attention(q, np.arange(p, p + n, dtype=np.int64), c[0], k, v, SCALE, _rope())
+        p += n
+    q, k, v = _qkv(rng, 12)
+    qp = np.arange(p, p + 12, dtype=np.int64)
+    before = [_state(c[0]) for c in caches]
+    outs = [be.attention(q, qp, ProbeLayer(c[0]), k, v, SCALE, _rope()) for be, c in zip(bes, caches)]
+    for b, c in zip(before, caches):
+        after = _state(c[0])
+        for name in b:
+            np.testing.assert_array_equal(after[name], b[name], err_msg=name)
+    a, r = (c[0].evictor for c in caches)
+    assert a.probe.sum() > 0 and not a.probed
+    np.testing.assert_allclose(a.probe, r.probe, atol=1e-5)
+    np.testing.assert_allclose(outs[0], outs[1], atol=3e-3, rtol=3e-3)
+    raw = a.probe.copy()
+    caches[0].probed()
+    assert a.probed
+    np.testing.assert_array_equal(a.probe, _pooled(raw, caches[0][0].pos))
+
+
+def test_bounded_prefill_probes_with_the_prompts_end():
+    """LLM.forward over a prompt longer than an evicting ring: before each chunk that evicts, the
+    prompt's last tokens run as a probe, whose scores the next choice adds; without a policy there
+    is no probe. Fed in parts (generate) the prompt probes with its own end too."""
+    import edgekv
+
+    llm = edgekv.LLM(model_path("smollm2"), n_ctx=96, kv="f16", evict="tova", prompt_cache=False)
+    ids = llm.tokenize(open(__file__).read()[:2000])[:400]
+    seen = []
+    real = llm._probe
+    llm._probe = lambda obs, cache, start: (seen.append((list(obs), start)), real(obs, cache, start))
+    cache = llm.new_cache()
+    llm.forward(ids, cache, 0)
+    lim = cache.batch_limit
+    assert seen and all(obs == ids[-32:] for obs, _ in seen)
+    starts = [s for _, s in seen]
+    assert starts == [s for s in range(0, len(ids), lim) if s + min(lim, len(ids) - s) > 96]
+    assert all(lk.evictor.probed for lk in cache.layers)
+    seen.clear()
+    events = list(llm.generate(ids, max_tokens=1, temperature=0))
+    assert seen and all(obs == ids[-32:] for obs, _ in seen) and events[-1].finish_reason
+    plain = edgekv.LLM(model_path("smollm2"), n_ctx=96, kv="f16", prompt_cache=False)
+    plain._probe = llm._probe
+    seen.clear()
+    plain.forward(ids, plain.new_cache(), 0)
+    assert not seen
+
+
 def _decode(model, ids, kind, policy, fused):
     from edgekv.kvcache import KVCache
 

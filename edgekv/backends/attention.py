@@ -17,13 +17,15 @@ the arithmetic where its arrays live. The primitives (x float32, n = tokens in t
   join(outs) -> the outputs of a batch's sequences, stacked in row order
 
 A batch of several sequences (kv a kvcache.BatchLayer) runs the same step per sequence, on its
-rows of q, k, v and its own cache, so each sequence attends exactly as it would alone.
+rows of q, k, v and its own cache, so each sequence attends exactly as it would alone. A probe
+(kv a kvcache.ProbeLayer: an eviction policy's look at what a prompt's end attends to) runs the
+step up to `attend` and stops there: nothing stored, placed or committed.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..kvcache import BatchLayer
+from ..kvcache import BatchLayer, ProbeLayer
 
 
 class AttentionStep:
@@ -33,6 +35,8 @@ class AttentionStep:
         if isinstance(kv, BatchLayer):
             return self.join([self.attention(q[a:b], q_pos[a:b], lk, k[a:b], v[a:b], scale, rope, softcap)
                               for lk, a, b in kv.parts()])
+        if isinstance(kv, ProbeLayer):  # attend only: the policy's probe scores change, nothing else
+            return self._steps(kv.layer, kv.layer.probe_plan(q_pos), q, q_pos, k, v, scale, rope, softcap)
         plan = kv.plan(q_pos)
         if plan.store_first:
             kv.place(plan)  # attention reads the batch from the ring: its positions first
@@ -44,7 +48,7 @@ class AttentionStep:
 
     def _steps(self, kv, plan, q, q_pos, k, v, scale, rope, softcap):
         q, k, v = self.inputs(q, k, v)
-        if kv.rotated and not plan.written:  # an empty int ring: the key offset and channel weights
+        if kv.rotated and not plan.written and not plan.probe:  # an empty int ring: the key offset and channel weights
             kv.calibrate(self.host(q), self.host(k), offset=not softcap)
         q_sink = sink_bias = None
         if plan.shift:  # sinks seen from just before the window (StreamingLLM)
@@ -56,6 +60,8 @@ class AttentionStep:
         if plan.store_first:
             self.store(kv, plan, k, v)
         out = self.attend(kv, plan, q, q_sink, q_pos, k, v, sink_bias, scale, softcap)
+        if plan.probe:
+            return out
         if not plan.store_first:  # attended over (ring, this batch): now store it
             self.store(kv, plan, k, v)
             kv.place(plan)

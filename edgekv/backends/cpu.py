@@ -299,7 +299,7 @@ class CPUBackend(AttentionStep):
             softcap=softcap, scores=sc, check=False)
         if ev is not None:  # the batch is stored first under a policy: every row has its slot
             fslot = plan.writers[1] if len(fpos) else fpos
-            self.ev_kernels.score_update(sc, kv.pos[: plan.n_ring], len(ev.rslot), ev.rslot, fslot, ev.mode, ev.score)
+            self.ev_kernels.score_update(sc, kv.pos[: plan.n_ring], len(ev.rslot), ev.rslot, fslot, *ev.target(plan))
         return out
 
     def store_exact(self, kv: LayerKV, plan: Plan, k: np.ndarray, v: np.ndarray) -> None:

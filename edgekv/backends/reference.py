@@ -89,17 +89,18 @@ def dequantize_kv(kind: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (g * scale.astype(np.float32)[..., None]).reshape(q.shape)
 
 
-def _importance(ev, p: np.ndarray, slots: np.ndarray) -> None:
+def _importance(ev, plan, p: np.ndarray, slots: np.ndarray) -> None:
     """An eviction policy's update from attention probabilities p (H, n, T) of keys held in ring
     slots (T,): the mean over heads and the batch's last OBSERVE queries, added to each slot's
-    score (h2o) or replacing every score (tova)."""
-    from ..evict import OBSERVE
+    score (h2o) or replacing every score (tova; a probe's scores always replace)."""
+    from ..evict import MODE_TOVA, OBSERVE
 
     imp = p[:, -OBSERVE:, :].mean(axis=(0, 1))  # (T,)
-    if ev.policy == "tova":
-        ev.score[:] = 0.0
+    mode, score = ev.target(plan)
+    if mode == MODE_TOVA:
+        score[:] = 0.0
     ok = slots >= 0
-    np.add.at(ev.score, slots[ok], imp[ok].astype(np.float32))
+    np.add.at(score, slots[ok], imp[ok].astype(np.float32))
 
 
 class ReferenceBackend(AttentionStep):
@@ -258,7 +259,7 @@ class ReferenceBackend(AttentionStep):
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
         if kv.evictor is not None:
-            _importance(kv.evictor, p, np.concatenate([np.flatnonzero(live), kv.evictor.rslot[rlive]]
+            _importance(kv.evictor, plan, p, np.concatenate([np.flatnonzero(live), kv.evictor.rslot[rlive]]
                                                       + ([plan.writers[1]] if fresh else [])))
         return np.einsum("hnt,thd->nhd", p, vals).astype(np.float32)
 
