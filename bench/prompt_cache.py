@@ -11,7 +11,7 @@ before the prompt: with a warm disk cache it loads every kernel; not timed) and 
 first chat: one on an empty folder (cold), one on the folder the first wrote (from disk); a new
 process's ratio is against the cold new process. Time to first token is wall
 time from the `llm.chat(stream=True)` call to the first token's chunk (template, tokenizer,
-cache lookup and load, prefill, the first token sampled and fed); medians over the reps. Also
+cache lookup and load, prefill, the first token sampled: generate yields it before feeding it); medians over the reps. Also
 the bytes of the cached prefix (in memory, and its file) and the KV bytes the chat holds.
 """
 from __future__ import annotations

@@ -433,8 +433,12 @@ def decode(llm, seq: Sequence, logits: np.ndarray | None, sampler: Sampler, *, m
                     if event is not None:
                         yield event
                     break
+                try:
+                    yield event  # out before the step that feeds it: time to first token is the prefill's
+                except GeneratorExit:  # the caller stops here: the cache still takes every token it was given
+                    seq.feed([tok])
+                    raise
                 logits = seq.feed([tok])
-                yield event
         finally:
             stats.decode_s = time.perf_counter() - t0
             stats.measure_kv(seq.cache)

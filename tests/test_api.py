@@ -30,6 +30,25 @@ def test_length_and_stop_strings():
     assert full.startswith(cut) and word not in cut and len(cut) < len(full)
 
 
+def test_a_token_goes_out_before_the_step_that_feeds_it():
+    """generate yields each token first and feeds it on the next request (time to first token is
+    the prefill alone); a caller that stops there still leaves every token it got in the cache."""
+    from edgekv.generate import Sequence, generate
+    from edgekv.sampling import Sampler
+
+    llm = get_llm()
+    ids = llm.tokenize(PROMPT)
+    seq = Sequence(llm)
+    events = generate(llm, seq, ids, Sampler(llm.sampling(temperature=0), llm.cfg.n_vocab), max_tokens=8)
+    first = next(events)
+    assert seq.tokens == ids  # not fed yet
+    second = next(events)
+    assert seq.tokens == ids + [first.token]
+    events.close()
+    assert seq.tokens == ids + [first.token, second.token]
+    assert [e.token for e in list(llm.generate(PROMPT, max_tokens=2, temperature=0))[:2]] == [first.token, second.token]
+
+
 def test_cancel_from_another_thread_stops_within_a_token():
     llm = get_llm()
     stop = threading.Event()
