@@ -48,6 +48,9 @@ from .simd import narrow as _narrow, widen as _widen
 KV_ATTN_PAR_MIN = 1 << 16
 KV_ATTN_Q_BLOCK = 16  # queries sharing one dequantized key/value tile
 KV_ATTN_SPLIT_MIN_KEYS = 256  # fewest slots per split when decode splits the ring
+# tasks a split aims at: divides evenly among 1, 2, 3, 4, 6, 8, 12, 16, 24 threads (numba's omp
+# prange schedules statically); a compile-time constant of _attn_core
+KV_ATTN_SPLIT_TASKS = 48
 KV_HADAMARD_PAR_MIN = 1 << 16  # elements from which hadamard_ runs rows in parallel
 
 _F0 = np.float32(0.0)
@@ -654,15 +657,15 @@ def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, w
     n_all = n_ring + X[2].shape[0] + fk.shape[0]
     tasks = ((n + bq - 1) // bq) * fk.shape[1]
     parallel = n * n_head * n_all * hd >= par_min and threads > 1
-    # too few (query block, kv head) tasks for the threads: split the keys too, into a
-    # count that divides evenly among them (numba's omp prange schedules statically)
+    # too few (query block, kv head) tasks to keep the threads busy: split the keys too, into
+    # SPLIT_TASKS tasks in all where the keys allow. The split depends on the problem alone,
+    # never on the thread count or the parallel choice, and the splits merge in a fixed
+    # order: a result is the same bits whatever count the thread tuner picked (float sums in
+    # another grouping differ in the last bit, which int8 activations then round apart)
     n_split = 1
     max_split = max(1, n_all // split_min)
-    if parallel and tasks < 2 * threads and max_split > 1:
-        n_split = -(-2 * threads // tasks)
-        while (tasks * n_split) % threads and n_split < max_split:
-            n_split += 1
-        n_split = min(n_split, max_split)
+    if tasks < KV_ATTN_SPLIT_TASKS and max_split > 1:
+        n_split = min(-(-KV_ATTN_SPLIT_TASKS // tasks), max_split)
     pm = np.empty((n, n_head, n_split), np.float32)  # (n, n_head, n_split) partial maxima
     pl = np.empty((n, n_head, n_split), np.float32)  # partial denominators
     pacc = np.empty((n, n_head, n_split if n_split > 1 else 0, hd), np.float32)  # partial sums

@@ -300,6 +300,31 @@ def test_attention_matches_oracle(monkeypatch, path, shape, kind, n, window, n_s
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("kind", ["f16", "int4"])
+def test_attention_bits_do_not_depend_on_the_thread_count(monkeypatch, kind):
+    """Decode over a long ring splits the keys among tasks: the same split, merged in the same
+    order, with 1 or 2 threads, in parallel or on the calling thread alone (the thread tuner
+    changes the count under load; a token must not change with it)."""
+    import numba
+
+    rng = np.random.default_rng(7)
+    k, ks, v, vs = make_ring(kind, 2048, 2, 64, rng, kind != "f16", False)
+    pos = np.arange(2048, dtype=np.int64)
+    q = rng.standard_normal((1, 8, 64)).astype(np.float32)
+    q_pos = np.array([2047], np.int64)
+    outs = []
+    for par_min, threads in ((0, 1), (0, 2), (1 << 62, 2)):
+        monkeypatch.setattr(kq, "KV_ATTN_PAR_MIN", par_min)
+        was = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            outs.append(kq.kv_attention(kind, q, None, q_pos, k, ks, v, vs, pos, 4, None, None, None, 0.125, 0, False))
+        finally:
+            numba.set_num_threads(was)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
 def test_attention_no_visible_key_gives_zeros_and_out_is_reused():
     rng = np.random.default_rng(5)
     k, ks, v, vs = make_ring("int4", 64, 1, 64, rng, True, False)

@@ -165,3 +165,22 @@ def test_other_passes_of_this_process_count_as_load(monkeypatch):
     import threading
     monkeypatch.setitem(T.RUNNING, threading.get_native_id(), 2)  # our own pass is not load
     assert T.free_cores(4) == 1
+
+
+def test_decode_gives_the_same_bits_with_any_thread_count():
+    """The same prompt prefilled and decoded with 1 and 2 threads: identical logits at every step
+    (the thread tuner picks the count by the machine's load, so nothing may depend on it)."""
+    import numpy as np
+
+    from conftest import model_path
+    from edgekv import LLM
+
+    outs = []
+    for n in (1, 2):
+        llm = LLM(model_path("smollm2"), n_ctx=1024, kv="int8", threads=n, prompt_cache=False)
+        ids = llm.tokenize(open(__file__).read())[:700]
+        cache = llm.new_cache()
+        steps = [llm.forward(ids[:690], cache, 0)[-1]]
+        steps += [llm.forward(ids[p : p + 1], cache, p)[-1] for p in range(690, 700)]
+        outs.append(np.stack(steps))
+    np.testing.assert_array_equal(outs[0], outs[1])
