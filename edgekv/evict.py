@@ -7,6 +7,8 @@ decode step), one float per slot, and the least important unprotected token is o
 
   h2o   attention accumulated over every query since the token was stored (H2O)
   tova  the last query's attention alone (TOVA)
+  ema   attention accumulated with each earlier query's share decayed by EMA_DECAY a step: the
+        recent queries' view, steadier than TOVA's one query, without H2O's bias to the oldest
 
 A prefill batch scores the keys with its last OBSERVE queries (SnapKV's observation window).
 A prompt longer than the ring (bounded prefill) is prefilled in chunks that evict as they go, so
@@ -28,9 +30,10 @@ import numpy as np
 
 from .errors import ContextError, EdgekvError
 
-EVICT_POLICIES = ("window", "h2o", "tova")
-_MODES = {"h2o": 1, "tova": 2}  # kernels_cpu.evict's modes
-MODE_TOVA = _MODES["tova"]
+EVICT_POLICIES = ("window", "h2o", "tova", "ema")
+_MODES = {"h2o": 1, "tova": 2, "ema": 3}  # kernels_cpu.evict's modes
+MODE_TOVA, MODE_EMA = _MODES["tova"], _MODES["ema"]
+EMA_DECAY = 0.8  # kernels_cpu.evict.EMA_DECAY; chosen by KL on SmolLM2 (bench/RESULTS.md)
 PROTECT_RECENT = 32  # positions before a batch no policy evicts (kvcache.RECENT: the exact tier is kept whole)
 OBSERVE = 32  # a prefill batch's last queries that score the keys (SnapKV's window)
 POOL = 7  # positions a probe's scores are max-pooled over (SnapKV's kernel)
@@ -50,7 +53,7 @@ class Evictor:
     def __init__(self, policy: str, lk, recent: int = PROTECT_RECENT):
         cap = lk.capacity
         self.policy, self.mode = policy, _MODES[policy]
-        self.score = np.zeros(cap, np.float32)  # (cap,) mean attention (h2o: summed over queries)
+        self.score = np.zeros(cap, np.float32)  # (cap,) mean attention (h2o: summed over queries, ema: decayed sum)
         self.probe = np.zeros(cap, np.float32)  # (cap,) the last probe's attention, pooled (0: none)
         self.probed = False  # a probe has run since the last reset (plan adds its scores)
         self.keep = np.zeros(cap, np.bool_)  # (cap,) protected tokens (KVCache.protect)
@@ -109,6 +112,8 @@ class Evictor:
         sc = self.score[live_v].astype(np.float64)
         if self.mode == 1:  # accumulated: per query seen
             sc = sc / np.maximum(p0 - lk.pos[live_v], 1)
+        elif self.mode == MODE_EMA:  # decayed sum: about the attention / (1 - decay)
+            sc = sc * (1.0 - EMA_DECAY)
         self.evicted += len(live_v)
         self.lost += float(sc.sum())
 

@@ -5,6 +5,7 @@ A layer's importance is one float32 per ring slot, the mean over query heads (an
 queries) of the attention probability its token got:
   h2o  (mode 1) accumulates it over every query since the token was stored (H2O's heavy hitters)
   tova (mode 2) keeps only the last query's (TOVA)
+  ema  (mode 3) accumulates it with each earlier query's share decayed by EMA_DECAY a step
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from numba import njit
 
 from .ops import _expf
 
-MODE_H2O, MODE_TOVA = 1, 2
+MODE_H2O, MODE_TOVA, MODE_EMA = 1, 2, 3
+EMA_DECAY = np.float32(0.8)  # edgekv.evict.EMA_DECAY (a compile-time constant here)
 _NEG = np.float32(-3.0e38)  # kvquant's "no score": a key the query does not see
 _F0 = np.float32(0.0)
 _KERNEL = dict(cache=True, error_model="numpy", fastmath={"nsz", "arcp", "contract", "reassoc", "afn"})
@@ -21,7 +23,7 @@ _KERNEL = dict(cache=True, error_model="numpy", fastmath={"nsz", "arcp", "contra
 
 @njit(**_KERNEL)
 def _score_update(sc, pos, n_res, rslot, fslot, mode, score):
-    """score (cap,) += (h2o) or = (tova) the observed queries' attention probabilities from
+    """score (cap,) += (h2o), = (tova) or *= EMA_DECAY then += (ema) the observed queries' attention probabilities from
     their scores sc (n_obs, H, >= n_all), indexed as _attn_core joins its keys: ring slots up
     to the last live one of pos, then n_res exact rows (their token's slot: rslot, -1 none),
     then the fresh keys (their slots: fslot). A key's probability reaches its ring slot
@@ -48,6 +50,9 @@ def _score_update(sc, pos, n_res, rslot, fslot, mode, score):
                 if sc[i, h, j] > _NEG:
                     tot[j] += _expf(sc[i, h, j] - mx) * inv
     w = np.float32(1.0 / (n_obs * n_head)) if n_obs else _F0
+    if mode == MODE_EMA:
+        for j in range(score.shape[0]):
+            score[j] *= EMA_DECAY
     if mode == MODE_TOVA:
         for j in range(n_ring):
             score[j] = _F0

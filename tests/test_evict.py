@@ -65,12 +65,14 @@ class NumpyPolicy:
         imp = pr[:, -32:].mean(axis=(0, 1))  # heads, the last 32 queries
         if self.policy == "tova":
             self.score = dict.fromkeys(self.score, 0.0)
+        elif self.policy == "ema":
+            self.score = {p: float(np.float32(x) * np.float32(0.8)) for p, x in self.score.items()}
         for p, x in zip(pos, imp):
             self.score[int(p)] += float(x)
         return np.einsum("hnt,thd->nhd", pr, V)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "ema"])
 def test_f16_ring_evicts_as_the_plain_policy(policy):
     """CPU backend (one-token decode step, prefill batches) against NumpyPolicy: the same kept
     positions after every step and the same attention output, through 5 wraps of the ring."""
@@ -92,7 +94,7 @@ def test_f16_ring_evicts_as_the_plain_policy(policy):
 
 
 @pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
-@pytest.mark.parametrize("policy", ["h2o", "tova"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "ema"])
 def test_every_cache_type_evicts_as_the_reference_backend(kind, policy):
     """CPU kernels (scores from kv_attention and the fused decode step, int kinds' exact tiers)
     against the numpy reference backend: same kept positions, same importance, same output; the
@@ -262,7 +264,7 @@ def test_fused_decode_block_evicts_as_the_op_by_op_path(model_key, kind):
     _, model = open_model(model_key, "cpu")
     P = llamacpp_fixture(model_key)["prompts"]
     ids = sum((x["prompt_ids"] + x["continuation"] for x in P), [])[:200]
-    policy = "h2o" if kind == "int8" else "tova"
+    policy = {"f16": "tova", "int8": "h2o", "int4": "ema"}[kind]
     fused, fc = _decode(model, ids, kind, policy, True)
     plain, pc = _decode(model, ids, kind, policy, False)
     for a, b in zip(fc.layers, pc.layers):
@@ -279,7 +281,11 @@ def test_api_policies_and_protected_template_tokens():
     import edgekv
     from edgekv.errors import EdgekvError
 
-    assert edgekv.EVICT_POLICIES[0] == "window" and {"h2o", "tova"} <= set(edgekv.EVICT_POLICIES)
+    from edgekv.evict import EMA_DECAY
+    from edgekv.kernels_cpu.evict import EMA_DECAY as KERNEL_DECAY
+
+    assert edgekv.EVICT_POLICIES[0] == "window" and {"h2o", "tova", "ema"} <= set(edgekv.EVICT_POLICIES)
+    assert np.float32(EMA_DECAY) == KERNEL_DECAY
     with pytest.raises(EdgekvError, match="unknown eviction policy 'lru'"):
         edgekv.LLM(model_path("smollm2"), evict="lru")
     llm = edgekv.LLM(model_path("smollm2"), n_ctx=128, kv="int4", evict="tova", prompt_cache=False)

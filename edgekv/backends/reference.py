@@ -92,11 +92,14 @@ def dequantize_kv(kind: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 def _importance(ev, plan, p: np.ndarray, slots: np.ndarray) -> None:
     """An eviction policy's update from attention probabilities p (H, n, T) of keys held in ring
     slots (T,): the mean over heads and the batch's last OBSERVE queries, added to each slot's
-    score (h2o) or replacing every score (tova; a probe's scores always replace)."""
-    from ..evict import MODE_TOVA, OBSERVE
+    score (h2o; ema after decaying every score) or replacing every score (tova; a probe's scores
+    always replace)."""
+    from ..evict import EMA_DECAY, MODE_EMA, MODE_TOVA, OBSERVE
 
     imp = p[:, -OBSERVE:, :].mean(axis=(0, 1))  # (T,)
     mode, score = ev.target(plan)
+    if mode == MODE_EMA:
+        score *= np.float32(EMA_DECAY)
     if mode == MODE_TOVA:
         score[:] = 0.0
     ok = slots >= 0
