@@ -15,8 +15,10 @@ A prompt longer than the ring (bounded prefill) is prefilled in chunks that evic
 the question at its end would come after what it asks about is gone. Before each chunk that
 evicts, the prompt's last OBSERVE tokens run as a probe (LLM.forward: attend only, nothing
 stored, at the positions right after the cache), and their attention, max-pooled over POOL
-neighbouring positions so a number's digits or a name's pieces stay together (SnapKV), is added
-to each token's importance until the next probe: what the question will look for survives.
+neighbouring positions so a number's digits or a name's pieces stay together (SnapKV), alone
+chooses what that chunk overwrites (the chunks' own queries never saw the question; with the
+policy's scores added, fewer keys survived: bench/RESULTS.md). Once the prompt is in, the
+policy's scores choose again, the question's queries among them.
 Never evicted: the sinks, the last `recent` positions before a batch (at least the int kinds'
 exact tier), and positions marked with `KVCache.protect` (the chat template's control tokens:
 role markers, turn boundaries; evicted only when nothing else is left). Positions stay exact:
@@ -55,7 +57,7 @@ class Evictor:
         self.policy, self.mode = policy, _MODES[policy]
         self.score = np.zeros(cap, np.float32)  # (cap,) mean attention (h2o: summed over queries, ema: decayed sum)
         self.probe = np.zeros(cap, np.float32)  # (cap,) the last probe's attention, pooled (0: none)
-        self.probed = False  # a probe has run since the last reset (plan adds its scores)
+        self.probed = False  # a probe has run for the coming batch (its plan chooses by the probe)
         self.keep = np.zeros(cap, np.bool_)  # (cap,) protected tokens (KVCache.protect)
         self.rslot = np.full(lk.first + lk.recent, -1, np.int64)  # (first + recent,) slot of each exact row's token
         self.recent = max(recent, lk.recent)
@@ -94,7 +96,10 @@ class Evictor:
         nw, cap, s, r, f = lk.n_written, lk.capacity, lk.n_sink, lk.recent, lk.first
         fill = min(nw, cap)
         need = n - (cap - fill)
-        victims = choose(self.score + self.probe if self.probed else self.score, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, need)
+        sc = self.score
+        if self.probed:  # a probe ran for this batch: what the prompt's end attends to chooses
+            sc = self.probe
+        victims = choose(sc, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, need)
         if victims is None:
             raise ContextError(f"a batch of {n} tokens does not fit a {cap}-token ring that protects "
                                f"{s} sinks and the last {self.recent} tokens (KVCache.batch_limit)")
@@ -118,7 +123,9 @@ class Evictor:
         self.lost += float(sc.sum())
 
     def placed(self, plan) -> None:
-        """The batch's slots hold new tokens: no importance yet, protected if marked."""
+        """The batch's slots hold new tokens: no importance yet, protected if marked. A probe
+        counts for the one batch it ran before."""
+        self.probed = False
         if plan.n == 1:  # decode: plain ints
             self.score[plan.slot] = self.probe[plan.slot] = 0.0
             self.keep[plan.slot] = bool(self.pending) and plan.p0 in self.pending
