@@ -168,7 +168,9 @@ HOSTILE = {
     "range_1e9": ("{% for i in range(10**9) %}x{% endfor %}", "integer beyond"),
     "range_just_over_cap": ("{% for i in range(100001) %}{% endfor %}", "Range too big"),
     "nested_loops_output": (
-        "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+        # 1,000-character pieces: the 1M-character cap comes after ~1,000 iterations, far inside
+        # the time limit even on a loaded machine (10-character pieces took > 1 s there)
+        "{% for i in range(100000) %}{% for j in range(100000) %}" + "x" * 1000 + "{% endfor %}{% endfor %}",
         "output exceeds",
     ),
     "nested_loops_silent": (
