@@ -17,7 +17,8 @@ Protocol. For a batch of positions a layer gives a `Plan`: plain integers (ring 
 shift, the exact-token range, the exact rows) that backends and kernels take as they are and
 never derive. The attention step (backends/attention.py) stores the batch where the plan says,
 `place`s it (its slots' positions), attends, writes the exact rows, then `commit`s (the write
-cursor). `trim`, `reset`, `fork` / `adopt` (another ring holding the same tokens, to go on apart: parallel
+cursor); a probe (`ProbeCache`: an eviction policy's look ahead, edgekv/evict.py) only attends,
+with `probe_plan`, and changes nothing but the policy's probe scores. `trim`, `reset`, `fork` / `adopt` (another ring holding the same tokens, to go on apart: parallel
 samples, beams, prompt-cache entries) and `state` / `load_state` (sessions) are the other state
 changes.
 
