@@ -41,7 +41,14 @@ GROUPS = (
 )
 # The disk-cached kernels the groups compile (module, function): one missing means a cold
 # start. tests/test_warmup.py keeps the list equal to what the groups really compile.
-KERNELS = (("qmatmul", "_qmatvec"), ("igemm", "_igemm"), ("qmatmul", "_dequant_rows"),
+def _prefill_kernel() -> tuple[str, str]:
+    """The prefill GEMM this machine runs: the int8 one (VNNI), else the float one."""
+    from .kernels_cpu.qmatmul import INT8_PREFILL
+
+    return ("igemm", "_igemm") if INT8_PREFILL else ("qmatmul", "_qgemm")
+
+
+KERNELS = (("qmatmul", "_qmatvec"), _prefill_kernel(), ("qmatmul", "_dequant_rows"),
            ("ops", "_rmsnorm_serial"), ("ops", "_rmsnorm_parallel"), ("ops", "_rope_serial"), ("ops", "_rope_parallel"),
            ("ops", "_silu_mul_serial"), ("ops", "_silu_mul_parallel"), ("ops", "_gelu_mul_serial"),
            ("ops", "_gelu_mul_parallel"), ("kvquant", "_store_core"), ("kvquant", "_kv_space_core"),
