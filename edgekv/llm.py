@@ -108,12 +108,14 @@ class LLM:
         ub = min(UBATCH, limit or UBATCH)
         if limit is None:  # no policy: nothing to probe for
             observe = None
-        elif observe is None and ub < len(ids):
+        elif observe is not None:
+            observe = self._ids(observe)
+        elif ub < len(ids):
             observe = ids[-OBSERVE:]
         for s in range(0, len(ids), ub):
             chunk = ids[s : s + ub]
             if observe is not None and len(observe) > 1 and cache.evicts(len(chunk)):
-                self._probe(self._ids(observe), cache, start_pos + s)
+                self._probe(observe, cache, start_pos + s)
             pos = np.arange(start_pos + s, start_pos + s + len(chunk), dtype=np.int64)
             with step(len(chunk)) if step else _NO_STEP:
                 logits = self.model.forward(chunk, pos, cache, last_only=last_only)
@@ -123,7 +125,7 @@ class LLM:
 
     def _probe(self, ids: np.ndarray, cache: KVCache, start_pos: int) -> None:
         """ids attend over the cache, as if they came next, and are not stored: the eviction
-        policy's probe scores (edgekv/evict.py), which the coming chunk's choice adds."""
+        policy's probe scores (edgekv/evict.py), which choose the coming chunk's victims."""
         step = getattr(self.backend, "step", None)
         pos = np.arange(start_pos, start_pos + len(ids), dtype=np.int64)
         with step(len(ids)) if step else _NO_STEP:
