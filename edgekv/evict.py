@@ -36,6 +36,7 @@ EVICT_POLICIES = ("window", "h2o", "tova", "ema")
 _MODES = {"h2o": 1, "tova": 2, "ema": 3}  # kernels_cpu.evict's modes
 MODE_TOVA, MODE_EMA = _MODES["tova"], _MODES["ema"]
 EMA_DECAY = 0.8  # kernels_cpu.evict.EMA_DECAY; chosen by KL on SmolLM2 (bench/RESULTS.md)
+EVICT_PREFIX = "ev_"  # the names of a policy's arrays in a saved cache (Evictor.state)
 PROTECT_RECENT = 32  # positions before a batch no policy evicts (kvcache.RECENT: the exact tier is kept whole)
 OBSERVE = 32  # a prefill batch's last queries that score the keys (SnapKV's window)
 POOL = 7  # positions a probe's scores are max-pooled over (SnapKV's kernel)
@@ -164,6 +165,43 @@ class Evictor:
         self.rslot[:] = -1
         self.pending.clear()
         self.evicted, self.lost = 0, 0.0
+
+    # -- save / load (LayerKV.state / checked / take_state) --------------------------
+    def state(self, fill: int) -> tuple[dict, dict[str, np.ndarray]]:
+        """(metadata, arrays) a saved cache keeps of the policy: the filled slots' scores and
+        protected flags, the exact rows' slots, the tally; not the probe (it lives one batch)."""
+        meta = dict(policy=self.policy, evicted=self.evicted, lost=self.lost, pending=sorted(self.pending))
+        return meta, dict(ev_score=self.score[:fill], ev_keep=self.keep[:fill].view(np.uint8), ev_rslot=self.rslot)
+
+    def checked(self, meta, arrays: dict, fill: int, n_tokens: int) -> dict | None:
+        """A `state` of a cache of n_tokens, checked (ValueError when it does not fit), or None when
+        it was saved under another policy or none: this policy then starts afresh. Changes nothing."""
+        if not isinstance(meta, dict) or meta.get("policy") != self.policy:
+            return None
+        want = dict(ev_score=(np.float32, (fill,)), ev_keep=(np.uint8, (fill,)), ev_rslot=(np.int64, self.rslot.shape))
+        for name, (dtype, shape) in want.items():
+            a = arrays.get(name)
+            if a is None or a.dtype != dtype or a.shape != shape:
+                raise ValueError(f"eviction array {name} missing or of another shape")
+        score, keep, rslot = arrays["ev_score"], arrays["ev_keep"], arrays["ev_rslot"]
+        if not np.isfinite(score).all() or (score < 0).any() or (keep > 1).any() or \
+                (rslot.size and not -1 <= rslot.min() <= rslot.max() < len(self.score)):
+            raise ValueError("eviction state out of range")
+        evicted, lost, pending = meta.get("evicted"), meta.get("lost"), meta.get("pending")
+        if not isinstance(evicted, int) or evicted < 0 or not isinstance(lost, (int, float)) or \
+                not 0 <= lost < float("inf") or not isinstance(pending, list) or len(pending) > n_tokens + 1 or \
+                not all(isinstance(p, int) and 0 <= p <= n_tokens for p in pending):
+            raise ValueError("eviction tally out of range")
+        return dict(score=score, keep=keep, rslot=rslot, evicted=evicted, lost=float(lost), pending=set(pending))
+
+    def take(self, saved: dict | None) -> None:
+        """Hold a `checked` state (None: start afresh). In place: a fused decode pack holds these arrays."""
+        self.reset()
+        if saved is None:
+            return
+        f = len(saved["score"])
+        self.score[:f], self.keep[:f], self.rslot[:] = saved["score"], saved["keep"] != 0, saved["rslot"]
+        self.evicted, self.lost, self.pending = saved["evicted"], saved["lost"], set(saved["pending"])
 
     def copy(self, lk) -> "Evictor":
         twin = Evictor(self.policy, lk, self.recent)

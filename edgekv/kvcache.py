@@ -384,8 +384,12 @@ class LayerKV:
         per-slot ones only up to the fill (a wrapped ring whole), so a saved chat grows with
         its tokens, not with the capacity; the exact slots, mu and kmul whole."""
         m = self.fill
-        return dict(n_written=self.n_written, n_sink=self.n_sink), \
-            {name: getattr(self, name)[:m] if name in self.slot_arrays else getattr(self, name) for name in LAYER_ARRAYS}
+        meta = dict(n_written=self.n_written, n_sink=self.n_sink)
+        arrays = {name: getattr(self, name)[:m] if name in self.slot_arrays else getattr(self, name) for name in LAYER_ARRAYS}
+        if self.evictor is not None:  # what the policy knows of the kept tokens goes with them
+            meta["evict"], ev = self.evictor.state(m)
+            arrays.update(ev)
+        return meta, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray], n_tokens: int, every_slot: bool = False) -> None:
         """Take a `state` of a conversation of n_tokens (`checked`, then copied in)."""
@@ -404,6 +408,7 @@ class LayerKV:
         missing = [name for name in LAYER_ARRAYS if name not in arrays]
         if missing:
             raise ValueError(f"array {missing[0]} missing")
+        saved = arrays
         arrays = {name: arrays[name][:m] if every_slot and name in self.slot_arrays else arrays[name]
                   for name in LAYER_ARRAYS}
         for name in LAYER_ARRAYS:
@@ -414,6 +419,8 @@ class LayerKV:
         for name in ("pos", "rpos"):
             if arrays[name].size and not -1 <= arrays[name].min() <= arrays[name].max() < n_tokens:
                 raise ValueError(f"{name} out of range")
+        if self.evictor is not None:  # None under another policy: this one starts afresh
+            arrays["evictor"] = self.evictor.checked(meta.get("evict"), saved, m, n_tokens)
         return n_written, arrays
 
     def take_state(self, n_written: int, arrays: dict[str, np.ndarray], frozen: dict | None = None) -> None:
@@ -429,6 +436,8 @@ class LayerKV:
                 getattr(self, name)[: len(arrays[name])] = arrays[name]
         live = self.rpos[self.first:][self.rpos[self.first:] >= 0]
         self.exact_from = int(live.min()) if len(live) else -1
+        if self.evictor is not None:
+            self.evictor.take(arrays.get("evictor"))
         self.epoch += 1
 
     @property

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import PromptCacheError
+from .evict import EVICT_PREFIX
 from .kvcache import LAYER_ARRAYS, KVCache
 from .kvfile import cache_arrays, load_cache, raw_body, read_file, write_file
 
@@ -79,8 +80,11 @@ def _checksum(index, parts) -> str:
 
 def _pack(arrays: dict[str, np.ndarray], n_layer: int) -> dict[str, np.ndarray]:
     """One array per name, the layers stacked (a file of 10 arrays reads faster than of 10 per
-    layer): an entry never wrapped, so every layer holds the same tokens and shapes."""
-    return {name: np.stack([arrays[f"{name}{i}"] for i in range(n_layer)]) for name in LAYER_ARRAYS}
+    layer): an entry never wrapped, so every layer holds the same tokens and shapes. An eviction
+    policy's arrays (evict.Evictor.state) stay per layer: only the evicting layers have them."""
+    packed = {name: np.stack([arrays[f"{name}{i}"] for i in range(n_layer)]) for name in LAYER_ARRAYS}
+    packed.update({key: a for key, a in arrays.items() if key.startswith(EVICT_PREFIX)})
+    return packed
 
 
 def _unpack(packed, n_layer: int) -> dict[str, np.ndarray]:
@@ -88,7 +92,9 @@ def _unpack(packed, n_layer: int) -> dict[str, np.ndarray]:
     for name in LAYER_ARRAYS:
         if name not in packed or packed[name].ndim < 1 or len(packed[name]) != n_layer:
             raise ValueError(f"array {name} does not hold {n_layer} layers")
-    return {f"{name}{i}": packed[name][i] for name in LAYER_ARRAYS for i in range(n_layer)}
+    got = {f"{name}{i}": packed[name][i] for name in LAYER_ARRAYS for i in range(n_layer)}
+    got.update({key: packed[key] for key in packed if key.startswith(EVICT_PREFIX)})
+    return got
 
 
 def _common(a, b) -> int:

@@ -186,7 +186,7 @@ class ChatSession:
             params["logit_bias"] = sorted((int(k), float(v)) for k, v in (self.params.logit_bias or {}).items())
             header = dict(
                 format=SESSION_FORMAT, version=SESSION_VERSION, model=self.llm.identity, kv=self.llm.kv_type,
-                n_ctx=self.llm.n_ctx, system=self.system, history=self.history, max_tokens=self.max_tokens,
+                n_ctx=self.llm.n_ctx, evict=self.seq.cache.evict, system=self.system, history=self.history, max_tokens=self.max_tokens,
                 template_vars=self.template_vars, summarize=self.summarize, summary=self.summary, folded=self.folded,
                 tokens=self.seq.tokens, cached_text=self._cached_text, sampling=params, sampler=self.sampler.state(),
             )
@@ -220,6 +220,8 @@ class ChatSession:
         if h.get("kv") != llm.kv_type or h.get("n_ctx") != llm.n_ctx:
             raise SessionFileError(f"{path.name} needs kv={h.get('kv')} ctx={h.get('n_ctx')}; this model is loaded with "
                                    f"kv={llm.kv_type} ctx={llm.n_ctx}")
+        if h.get("evict", llm.evict) != llm.evict:  # absent before version 4: the policy starts afresh
+            raise SessionFileError(f"{path.name} needs evict={h.get('evict')}; this model is loaded with evict={llm.evict}")
         try:
             sampling = dict(h["sampling"])
             sampling["logit_bias"] = {int(k): float(v) for k, v in sampling["logit_bias"]} or None
@@ -256,5 +258,6 @@ SESSION_MAGIC = b"EDGEKVS\x00"
 SESSION_FORMAT = "edgekv-session"
 # 2: int scales, exact recent slots, key offset and channel weights saved too
 # 3: the per-slot arrays only up to the ring's fill (LayerKV.state)
-SESSION_VERSION = 3
-SESSION_READS = (2, 3)
+# 4: the eviction policy and its state (scores, protected tokens: evict.Evictor.state)
+SESSION_VERSION = 4
+SESSION_READS = (2, 3, 4)

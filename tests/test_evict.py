@@ -323,3 +323,75 @@ def test_cli_perplexity_ring_evict(capsys):
         assert res[name]["n_scored"] == res["uncapped f16"]["n_scored"] == 120 - 1 - 64
         assert res[name]["kv_evicted"] == (119 - 64) * 30 and res[name]["mean_kl"] > 0
         assert 0 <= res[name]["top1_agreement"] <= 1
+
+
+def _evictors(cache) -> list:
+    return [(lk.evictor.score.copy(), lk.evictor.keep.copy(), lk.evictor.rslot.copy(), lk.evictor.evicted, lk.evictor.lost,
+             set(lk.evictor.pending)) for lk in cache.layers if lk.evictor is not None]
+
+
+def _same_evictors(a, b) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) and np.array_equal(x[2], y[2])
+        assert x[3:] == y[3:]
+
+
+@pytest.mark.parametrize("kind,policy", [("f16", "tova"), ("int8", "h2o"), ("int4", "ema")])
+def test_a_saved_session_keeps_the_policys_state(tmp_path, kind, policy):
+    """A chat saved once its ring has evicted goes on after loading exactly as it would have: the
+    scores, protected tokens and exact rows' slots come back, and the next turn's tokens match."""
+    import edgekv
+    from edgekv.errors import SessionFileError
+    from edgekv.session import ChatSession
+
+    def load(evict):
+        return edgekv.LLM(model_path("smollm2"), n_ctx=128, kv=kind, evict=evict, prompt_cache=False)
+
+    llm = load(policy)
+    sess = llm.session(temperature=0, max_tokens=6)
+    sess.send(open(__file__).read()[:900])
+    assert sess.stats.kv_evicted > 0 and any(e[1].any() for e in _evictors(sess.seq.cache))
+    sess.save(tmp_path / "s.edgekv")
+    back = ChatSession.load(tmp_path / "s.edgekv", load(policy))
+    _same_evictors(_evictors(sess.seq.cache), _evictors(back.seq.cache))
+    assert back.send("And then?") == sess.send("And then?")
+    _same_evictors(_evictors(sess.seq.cache), _evictors(back.seq.cache))
+    with pytest.raises(SessionFileError, match=f"needs evict={policy}; this model is loaded with evict=window"):
+        ChatSession.load(tmp_path / "s.edgekv", load("window"))
+    lk = next(lk for lk in sess.seq.cache.layers if lk.evictor is not None)
+    meta, arrays = lk.state()
+    for name, bad in [("ev_score", -1.0), ("ev_rslot", lk.capacity), ("ev_keep", 2)]:
+        if not arrays[name].size:  # an f16 ring has no exact rows
+            continue
+        broken = dict(arrays, **{name: np.full_like(arrays[name], bad)})
+        with pytest.raises(ValueError, match="eviction state out of range"):
+            lk.checked(meta, broken, len(sess.seq.tokens))
+    with pytest.raises(ValueError, match="eviction array ev_keep missing"):
+        lk.checked(meta, {k: a for k, a in arrays.items() if k != "ev_keep"}, len(sess.seq.tokens))
+    other = dict(meta, evict=dict(meta["evict"], policy="window" if policy != "tova" else "h2o"))
+    assert lk.checked(other, arrays, len(sess.seq.tokens))[1]["evictor"] is None  # another policy's: start afresh
+
+
+def test_a_prompt_cache_file_keeps_the_protected_tokens():
+    """A prompt-cache entry written to disk and read back (prompt_cache's packed raw body) holds
+    the policy's scores and protected template tokens, which a prefix skipped by it could not mark again."""
+    import edgekv
+    from edgekv.kvfile import cache_arrays, load_cache, raw_arrays, raw_body
+    from edgekv.prompt_cache import _pack, _unpack
+
+    llm = edgekv.LLM(model_path("smollm2"), n_ctx=128, kv="int8", evict="tova", prompt_cache=False)
+    ids, _ = llm.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there."}])
+    cache = llm.new_cache()
+    llm.forward(ids, cache, 0)
+    want = _evictors(cache)
+    assert all(e[1].sum() >= 4 and e[0].any() for e in want)
+    metas, arrays = cache_arrays(cache)
+    index, parts = raw_body(_pack(arrays, len(metas)))
+    body = memoryview(b"".join(bytes(p) for p in parts))
+    back = llm.new_cache()
+    load_cache(back, metas, _unpack(raw_arrays(index, body), len(metas)), len(ids))
+    _same_evictors(want, _evictors(back))
+    window = llm.new_cache(evict="window")  # another policy's cache takes the tokens, not the state
+    load_cache(window, metas, _unpack(raw_arrays(index, body), len(metas)), len(ids))
+    assert all(lk.evictor is None for lk in window.layers)

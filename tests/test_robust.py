@@ -252,6 +252,7 @@ def test_session_from_another_version_or_model_is_refused(tmp_path):
         "another model": lambda h: h["model"].update(header_sha256="0" * 64),
         "is not an edgekv session": lambda h: h.update(format="something-else"),
         "kv=int8": lambda h: h.update(kv="int8"),
+        "needs evict=tova; this model is loaded with evict=window": lambda h: h.update(evict="tova"),
     }
     for what, change in cases.items():
         with pytest.raises(SessionFileError, match=what):
