@@ -115,25 +115,23 @@ class Evictor:
             v = int(victims[0])
             pos = int(lk.pos[v])
             if pos >= 0:
-                sc = float(self.score[v])
-                if self.mode == 1:
-                    sc /= max(p0 - pos, 1)
-                elif self.mode == MODE_EMA:
-                    sc *= 1.0 - EMA_DECAY
                 self.evicted += 1
-                self.lost += sc
+                self.lost += float(self._attention(float(self.score[v]), p0 - pos))
             return
         live = lk.pos[victims]
         live_v = victims[live >= 0]
         if not len(live_v):
             return
-        sc = self.score[live_v].astype(np.float64)
-        if self.mode == 1:  # accumulated: per query seen
-            sc = sc / np.maximum(p0 - lk.pos[live_v], 1)
-        elif self.mode == MODE_EMA:  # decayed sum: about the attention / (1 - decay)
-            sc = sc * (1.0 - EMA_DECAY)
         self.evicted += len(live_v)
-        self.lost += float(sc.sum())
+        self.lost += float(self._attention(self.score[live_v].astype(np.float64), p0 - lk.pos[live_v]).sum())
+
+    def _attention(self, score, age):
+        """A token's attention per query from its score (a float or an array) and age."""
+        if self.mode == 1:  # accumulated: per query seen
+            return score / np.maximum(age, 1)
+        if self.mode == MODE_EMA:  # decayed sum: about the attention / (1 - decay)
+            return score * (1.0 - EMA_DECAY)
+        return score
 
     def placed(self, plan) -> None:
         """The batch's slots hold new tokens: no importance yet, protected if marked. A probe
