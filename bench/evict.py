@@ -2,14 +2,15 @@
 
     python bench/evict.py kl [--tokens 4096] [--rings 1024,512] [--models smollm2,gemma3]
     python bench/evict.py retrieval [--tokens 2048] [--depths 0.1,0.3,0.5,0.7,0.9] [--trials 5]
-    python bench/evict.py speed [--ring 512] [--depth 1024] [-n 128]   # through bench/quiet.py's lock
+    python bench/evict.py speed [--ring 512] [--depth 1024] [-n 1024] [--chunk 16] [--evict window,ema]
 
 kl: one text (tests/fixtures/text_en.txt) streamed token by token through rings of 25% and
 12.5% of it per policy, in lockstep with an uncapped f16 cache (edgekv.perplexity.ring_perplexity:
 mean / p99 KL, top-1 agreement, perplexity from the ring's size on). retrieval: a 5-digit key
 said once at a depth of a ~2K-token filler prompt, the question last, the prompt prefilled in
 chunks that evict as they go through a ring of 25% of it; the uncapped cache first. speed:
-decode tokens/s through a full ring, each policy against window at the same ring size.
+decode tokens/s through a full ring, each policy against the first one (window) at the same
+ring size, in turns of --chunk tokens.
 """
 from __future__ import annotations
 
@@ -104,23 +105,40 @@ def retrieval(args) -> None:
 
 
 def speed(args) -> None:
-    """Decode tokens/s through a full ring (depth tokens of random ids prefilled, then -n more
-    decoded one at a time, every one evicting), each policy in turn, best of -r runs."""
+    """Decode tokens/s through a full ring: one model, one cache per policy (depth tokens of
+    random ids prefilled, so every decoded token evicts), the policies taking turns every
+    --chunk tokens for -n tokens each. Turns this short put the machine's drift (other VMs,
+    clocks: 10-20% between runs here) on every policy alike; the ratio is of the summed times,
+    with the spread of the per-turn ratios beside it."""
+    from edgekv.kvcache import KVCache
+
+    policies = args.evict.split(",")
     for key in args.models.split(","):
-        path = resolve(MODELS[key])
+        llm = LLM(resolve(MODELS[key]), n_ctx=args.ring, kv=args.kv, prompt_cache=False)
         rng = np.random.default_rng(0)
-        for evict in args.evict.split(","):
-            llm = LLM(path, n_ctx=args.ring, kv=args.kv, evict=evict, prompt_cache=False)
-            best = 0.0
-            for _ in range(args.r + 1):  # the first warms up (JIT, page cache)
-                cache = llm.new_cache()
-                llm.forward(rng.integers(0, llm.cfg.n_vocab, args.depth).tolist(), cache, 0)
-                ids = rng.integers(0, llm.cfg.n_vocab, args.n).tolist()
+        caches = {e: KVCache.for_model(llm.cfg, args.ring, args.kv, llm.n_sink, evict=e) for e in policies}
+        for cache in caches.values():
+            llm.forward(rng.integers(0, llm.cfg.n_vocab, args.depth).tolist(), cache, 0)
+        ids = rng.integers(0, llm.cfg.n_vocab, args.n + args.chunk).tolist()
+        for e, cache in caches.items():  # warm-up: the decode kernels compiled, the pages touched
+            for i in range(args.chunk):
+                llm.forward(ids[i : i + 1], cache, args.depth + i)
+        spent = {e: [] for e in policies}
+        at = args.chunk
+        while at < args.chunk + args.n:
+            m = min(args.chunk, args.chunk + args.n - at)
+            for e, cache in caches.items():
                 t = time.perf_counter()
-                for i in range(args.n):
+                for i in range(at, at + m):
                     llm.forward(ids[i : i + 1], cache, args.depth + i)
-                best = max(best, args.n / (time.perf_counter() - t))
-            print(f"| {key} | {args.kv} | {args.ring} | {evict} | {best:.1f} |", flush=True)
+                spent[e].append(time.perf_counter() - t)
+            at += m
+        base = np.asarray(spent[policies[0]])
+        for e in policies:
+            tps = args.n / sum(spent[e])
+            turn = base / np.asarray(spent[e])
+            print(f"| {key} | {args.kv} | {args.ring} | {e} | {tps:.1f} | {tps * sum(base) / args.n:.3f}x | "
+                  f"{np.percentile(turn, 25):.3f}-{np.percentile(turn, 75):.3f} |", flush=True)
 
 
 def main() -> None:
@@ -146,8 +164,8 @@ def main() -> None:
     s = verb("speed", speed, "int8")
     s.add_argument("--ring", type=int, default=512)
     s.add_argument("--depth", type=int, default=1024)
-    s.add_argument("-n", type=int, default=128)
-    s.add_argument("-r", type=int, default=2)
+    s.add_argument("-n", type=int, default=1024)
+    s.add_argument("--chunk", type=int, default=16)
     args = ap.parse_args()
     args.func(args)
 

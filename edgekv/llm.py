@@ -50,7 +50,7 @@ class LLM:
         self.path = Path(path)
         self.file = GGUFFile(path)
         self.n_ctx, self.kv_type, self.n_sink, self.evict = n_ctx, kv, n_sink, check_policy(evict)
-        self._protect_ids = None  # the vocabulary's control tokens, once a policy needs them
+        self._protect_ids = None  # (n_vocab,) bool: the vocabulary's control tokens, once a policy needs them
         check_context(self, model_module(self.file.arch).Config.from_gguf(self.file))  # before any weight moves
         self.backend = get_backend(device, threads, gpu_layers)
         if evict != "window" and self.backend.name not in ("cpu", "reference"):
@@ -82,9 +82,12 @@ class LLM:
         boundaries) and the token after each (the role's name) as never to evict."""
         if getattr(cache, "evict", "window") == "window":
             return
-        if self._protect_ids is None:
-            self._protect_ids = np.array(self.tokenizer.control_ids(), np.int64)
-        at = np.flatnonzero(np.isin(ids, self._protect_ids))
+        if self._protect_ids is None:  # a lookup: np.isin sorted Gemma's 6,250 control ids every token (1 ms)
+            ctl = np.array(self.tokenizer.control_ids(), np.int64)
+            mask = np.zeros(max(self.cfg.n_vocab, int(ctl.max(initial=-1)) + 1), np.bool_)
+            mask[ctl] = True
+            self._protect_ids = mask
+        at = np.flatnonzero(self._protect_ids[ids])
         if len(at):
             cache.protect(np.concatenate([at, at + 1]) + start_pos)
 

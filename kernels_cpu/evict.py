@@ -34,6 +34,7 @@ def _score_update(sc, pos, n_res, rslot, fslot, mode, score):
         n_ring -= 1
     n_all = n_ring + n_res + fslot.shape[0]
     tot = np.zeros(n_all, np.float32)
+    e = np.empty(n_all, np.float32)  # one exp a key, in branch-free loops LLVM vectorizes
     for i in range(n_obs):
         for h in range(n_head):
             mx = _NEG
@@ -43,12 +44,14 @@ def _score_update(sc, pos, n_res, rslot, fslot, mode, score):
                 continue
             den = _F0
             for j in range(n_all):
-                if sc[i, h, j] > _NEG:
-                    den += _expf(sc[i, h, j] - mx)
+                x = sc[i, h, j]
+                ej = _expf(x - mx)
+                ej = ej if x > _NEG else _F0
+                e[j] = ej
+                den += ej
             inv = np.float32(1.0) / den
             for j in range(n_all):
-                if sc[i, h, j] > _NEG:
-                    tot[j] += _expf(sc[i, h, j] - mx) * inv
+                tot[j] += e[j] * inv
     w = np.float32(1.0 / (n_obs * n_head)) if n_obs else _F0
     if mode == MODE_EMA:
         for j in range(score.shape[0]):
@@ -78,7 +81,8 @@ def _choose(score, keep, pos, n_sink, protect_from, window, p0, out):
     important first: a slot whose token has left a sliding window (p0 - pos >= window), then
     the lowest score; never a sink slot (< n_sink) nor a position >= protect_from (the recent
     window); slots marked keep (chat-template tokens) only once nothing else is left.
-    Returns how many it found (< need: the ring cannot take the batch)."""
+    Returns how many it found (< need: the ring cannot take the batch). Called straight from
+    edgekv.evict.Evictor.plan (30 layers a decode token: no wrapper, out given)."""
     cap = pos.shape[0]
     need = out.shape[0]
     if need == 1:  # decode: one pass
@@ -111,10 +115,3 @@ def _choose(score, keep, pos, n_sink, protect_from, window, p0, out):
         out[t] = order[t]
         got += 1
     return got
-
-
-def choose(score: np.ndarray, keep: np.ndarray, pos: np.ndarray, n_sink: int, protect_from: int, window: int,
-           p0: int, need: int) -> np.ndarray | None:
-    """(need,) int64 slots to overwrite (see _choose), or None when fewer can be had."""
-    out = np.empty(need, np.int64)
-    return out if _choose(score, keep, pos, n_sink, protect_from, window, p0, out) == need else None
