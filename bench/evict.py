@@ -2,7 +2,7 @@
 
     python bench/evict.py kl [--tokens 4096] [--rings 1024,512] [--models smollm2,gemma3]
     python bench/evict.py retrieval [--tokens 2048] [--depths 0.1,0.3,0.5,0.7,0.9] [--trials 5]
-    python bench/evict.py speed [--ring 512] [--depth 1024] [-n 1024] [--chunk 16] [--evict window,ema]
+    python bench/evict.py speed [--ring 512] [--depth 1024] [-n 1024] [--chunk 16] [--evict window,ema] [--background-load N]
 
 kl: one text (tests/fixtures/text_en.txt) streamed token by token through rings of 25% and
 12.5% of it per policy, in lockstep with an uncapped f16 cache (edgekv.perplexity.ring_perplexity:
@@ -110,6 +110,7 @@ def speed(args) -> None:
     --chunk tokens for -n tokens each. Turns this short put the machine's drift (other VMs,
     clocks: 10-20% between runs here) on every policy alike; the ratio is of the summed times,
     with the spread of the per-turn ratios beside it."""
+    from edgekv.bench import BackgroundLoad
     from edgekv.kvcache import KVCache
 
     policies = args.evict.split(",")
@@ -125,19 +126,24 @@ def speed(args) -> None:
                 llm.forward(ids[i : i + 1], cache, args.depth + i)
         spent = {e: [] for e in policies}
         at = args.chunk
-        while at < args.chunk + args.n:
-            m = min(args.chunk, args.chunk + args.n - at)
-            for e, cache in caches.items():
-                t = time.perf_counter()
-                for i in range(at, at + m):
-                    llm.forward(ids[i : i + 1], cache, args.depth + i)
-                spent[e].append(time.perf_counter() - t)
-            at += m
+        bg = BackgroundLoad(args.background_load)
+        try:
+            with bg.rep(args.background_load > 0):  # every turn beside the busy processes, or none
+                while at < args.chunk + args.n:
+                    m = min(args.chunk, args.chunk + args.n - at)
+                    for e, cache in caches.items():
+                        t = time.perf_counter()
+                        for i in range(at, at + m):
+                            llm.forward(ids[i : i + 1], cache, args.depth + i)
+                        spent[e].append(time.perf_counter() - t)
+                    at += m
+        finally:
+            bg.close()
         base = np.asarray(spent[policies[0]])
         for e in policies:
             tps = args.n / sum(spent[e])
             turn = base / np.asarray(spent[e])
-            print(f"| {key} | {args.kv} | {args.ring} | {e} | {tps:.1f} | {tps * sum(base) / args.n:.3f}x | "
+            print(f"| {key} | {args.kv} | {args.ring} | {args.background_load} | {e} | {tps:.1f} | {tps * sum(base) / args.n:.3f}x | "
                   f"{np.percentile(turn, 25):.3f}-{np.percentile(turn, 75):.3f} |", flush=True)
 
 
@@ -166,6 +172,7 @@ def main() -> None:
     s.add_argument("--depth", type=int, default=1024)
     s.add_argument("-n", type=int, default=1024)
     s.add_argument("--chunk", type=int, default=16)
+    s.add_argument("--background-load", type=int, default=0, help="busy processes beside every turn")
     args = ap.parse_args()
     args.func(args)
 
