@@ -143,7 +143,7 @@ def speed(args) -> None:
         for e in policies:
             tps = args.n / sum(spent[e])
             turn = base / np.asarray(spent[e])
-            print(f"| {key} | {args.kv} | {args.ring} | {args.background_load} | {e} | {tps:.1f} | {tps * sum(base) / args.n:.3f}x | "
+            print(f"| {key} | {args.kv} | {args.ring} | {args.background_load} | {e} | {tps:.1f} | {sum(base) / sum(spent[e]):.3f}x | "
                   f"{np.percentile(turn, 25):.3f}-{np.percentile(turn, 75):.3f} |", flush=True)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ContextError, EdgekvError
+from .kvcache import Plan
 
 EVICT_POLICIES = ("window", "h2o", "tova", "ema")
 _MODES = {"h2o": 1, "tova": 2, "ema": 3}  # kernels_cpu.evict's modes
@@ -66,11 +67,9 @@ class Evictor:
         self.pending: set[int] = set()  # positions to protect once stored
         self.evicted = 0  # tokens overwritten
         self.lost = 0.0  # their attention (mean per query) when overwritten, summed
-        self._one = np.empty(1, np.int64)  # a decode step's victim (kernels_cpu.evict's out)
         from .kernels_cpu.evict import _choose  # here, not at import: `import edgekv` loads no numba
-        from .kvcache import Plan
 
-        self._choose, self._plan = _choose, Plan
+        self._choose = _choose  # unwrapped: it runs per evicting layer and decode token
 
     def target(self, plan) -> tuple[int, np.ndarray]:
         """(mode, scores) a batch's attention updates: a probe's replaces the probe scores."""
@@ -95,36 +94,30 @@ class Evictor:
     def plan(self, lk, q_pos: np.ndarray):
         """LayerKV.plan once the batch overflows the ring: its slots chosen (free ones first),
         stored before it attends, no sink shift, every slot read."""
-        Plan = self._plan
         n, p0 = len(q_pos), q_pos.item(0)
         nw, cap, s, r, f = lk.n_written, lk.capacity, lk.n_sink, lk.recent, lk.first
         fill = nw if nw < cap else cap
+        need = n - (cap - fill)
         sc = self.probe if self.probed else self.score  # a probe ran for this batch: what the prompt's end attends to chooses
+        victims = np.empty(need, np.int64)
+        if self._choose(sc, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, victims) != need:
+            raise ContextError(f"a batch of {n} tokens does not fit a {cap}-token ring that protects "
+                               f"{s} sinks and the last {self.recent} tokens (KVCache.batch_limit)")
+        self._account(lk, victims, p0)
+        slots = victims if fill == cap else np.concatenate([np.arange(fill, cap, dtype=np.int64), victims])
         last = p0 + n - 1
-        row = (last if last < f else f + last % r) if r else -1
-        lo = lk.exact_from if lk.exact_from >= 0 else p0
-        if n == 1 and fill == cap:  # decode: plain ints and floats, no arrays made (30 layers a token)
-            if not self._choose(sc, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, self._one):
-                self._too_large(n, cap, s)
-            v = self._one.item(0)
+        # tuple.__new__, as LayerKV.plan: a decode token makes one plan per evicting layer
+        return tuple.__new__(Plan, (p0, n, True, cap, lk.exact_from if lk.exact_from >= 0 else p0, 0, slots.item(0),
+                                    (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r, slots, False))
+
+    def _account(self, lk, victims: np.ndarray, p0: int) -> None:
+        if len(victims) == 1:  # decode: plain floats (numpy's per-call cost was ~1 ms a token at 30 layers)
+            v = victims.item(0)
             pos = lk.pos.item(v)
             if pos >= 0:
                 self.evicted += 1
                 self.lost += float(self._attention(self.score.item(v), p0 - pos))
-            return tuple.__new__(Plan, (p0, 1, True, cap, lo, 0, v, row, nw, cap, s, f, r, self._one.copy(), False))
-        need = n - (cap - fill)
-        victims = np.empty(need, np.int64)
-        if self._choose(sc, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, victims) != need:
-            self._too_large(n, cap, s)
-        self._account(lk, victims, p0)
-        slots = victims if fill == cap else np.concatenate([np.arange(fill, cap, dtype=np.int64), victims])
-        return Plan(p0, n, True, cap, lo, 0, int(slots[0]), row, nw, cap, s, f, r, slots)
-
-    def _too_large(self, n: int, cap: int, s: int):
-        raise ContextError(f"a batch of {n} tokens does not fit a {cap}-token ring that protects "
-                           f"{s} sinks and the last {self.recent} tokens (KVCache.batch_limit)")
-
-    def _account(self, lk, victims: np.ndarray, p0: int) -> None:
+            return
         live = lk.pos[victims]
         live_v = victims[live >= 0]
         if not len(live_v):
