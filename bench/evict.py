@@ -174,6 +174,8 @@ def main() -> None:
     s.add_argument("--chunk", type=int, default=16)
     s.add_argument("--background-load", type=int, default=0, help="busy processes beside every turn")
     args = ap.parse_args()
+    if args.what == "speed" and (args.n < 1 or args.chunk < 1 or args.background_load < 0):
+        ap.error("speed needs -n >= 1, --chunk >= 1 and --background-load >= 0")
     args.func(args)
 
 
