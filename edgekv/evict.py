@@ -19,6 +19,10 @@ neighbouring positions so a number's digits or a name's pieces stay together (Sn
 chooses what that chunk overwrites (the chunks' own queries never saw the question; with the
 policy's scores added, fewer keys survived: bench/RESULTS.md). Once the prompt is in, the
 policy's scores choose again, the question's queries among them.
+A model with sliding-window layers (Gemma-3) has them lend LEND of their window to the global
+layers once those fill, and the global rings split by depth (SPLIT; kvcache.lend: the same slots
+in all, moved to where attention reaches far back); until then a lending layer only keeps
+scores, to choose what it gives up.
 Never evicted: the sinks, the last `recent` positions before a batch (at least the int kinds'
 exact tier), and positions marked with `KVCache.protect` (the chat template's control tokens:
 role markers, turn boundaries; evicted only when nothing else is left). Positions stay exact:
@@ -41,6 +45,8 @@ EVICT_PREFIX = "ev_"  # the names of a policy's arrays in a saved cache (Evictor
 PROTECT_RECENT = 32  # positions before a batch no policy evicts (kvcache.RECENT: the exact tier is kept whole)
 OBSERVE = 32  # a prefill batch's last queries that score the keys (SnapKV's window)
 POOL = 7  # positions a probe's scores are max-pooled over (SnapKV's kernel)
+LEND = 0.25  # of a sliding layer's full window, lent to the global layers once they fill (kvcache.lend)
+SPLIT = (1.5, 0.5)  # the global rings then, first to last, times their mean (kvcache.lend; PyramidKV's idea)
 
 
 def check_policy(policy: str) -> str:
@@ -64,6 +70,7 @@ class Evictor:
         self.rslot = np.full(lk.first + lk.recent, -1, np.int64)  # (first + recent,) slot of each exact row's token
         self.recent = max(recent, lk.recent)
         self.window = lk.window
+        self.plans = not (lk.window and cap >= lk.window)  # False: a sliding ring of its whole window, lending (scores only)
         self.pending: set[int] = set()  # positions to protect once stored
         self.evicted = 0  # tokens overwritten
         self.lost = 0.0  # their attention (mean per query) when overwritten, summed
@@ -109,6 +116,29 @@ class Evictor:
         # tuple.__new__, as LayerKV.plan: a decode token makes one plan per evicting layer
         return tuple.__new__(Plan, (p0, n, True, cap, lk.exact_from if lk.exact_from >= 0 else p0, 0, slots.item(0),
                                     (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r, slots, False))
+
+    def victims(self, lk, need: int, p0: int) -> np.ndarray:
+        """(need,) slots to give up before a batch at p0, least important first (LayerKV.resize)."""
+        sc = self.probe if self.probed else self.score
+        out = np.empty(need, np.int64)
+        if self._choose(sc, self.keep, lk.pos, lk.n_sink, p0 - self.recent, self.window, p0, out) != need:
+            raise ContextError(f"a {lk.capacity}-token ring cannot give up {need} slots")
+        self._account(lk, out, p0)
+        return out
+
+    def resized(self, lk, keep: np.ndarray) -> None:
+        """The ring now holds the tokens of slots `keep` (old numbering) in slots 0 .. len(keep) - 1."""
+        cap = lk.capacity
+        new = np.full(len(self.score), -1, np.int64)
+        new[keep] = np.arange(len(keep))
+        for name in ("score", "probe", "keep"):
+            a = getattr(self, name)
+            b = np.zeros(cap, a.dtype)
+            b[: len(keep)] = a[keep]
+            setattr(self, name, b)
+        live = self.rslot >= 0
+        self.rslot[live] = new[self.rslot[live]]
+        self.plans = not (lk.window and cap >= lk.window)
 
     def _account(self, lk, victims: np.ndarray, p0: int) -> None:
         if len(victims) == 1:  # decode: plain floats (numpy's per-call cost was ~1 ms a token at 30 layers)
@@ -183,9 +213,10 @@ class Evictor:
         meta = dict(policy=self.policy, evicted=self.evicted, lost=self.lost, pending=sorted(self.pending))
         return meta, dict(ev_score=self.score[:fill], ev_keep=self.keep[:fill].view(np.uint8), ev_rslot=self.rslot)
 
-    def checked(self, meta, arrays: dict, fill: int, n_tokens: int) -> dict | None:
+    def checked(self, meta, arrays: dict, fill: int, n_tokens: int, cap: int | None = None) -> dict | None:
         """A `state` of a cache of n_tokens, checked (ValueError when it does not fit), or None when
-        it was saved under another policy or none: this policy then starts afresh. Changes nothing."""
+        it was saved under another policy or none: this policy then starts afresh. Changes nothing.
+        cap: the ring's capacity at n_tokens (LayerKV.capacity_at; default its capacity now)."""
         if not isinstance(meta, dict) or meta.get("policy") != self.policy:
             return None
         want = dict(ev_score=(np.float32, (fill,)), ev_keep=(np.uint8, (fill,)), ev_rslot=(np.int64, self.rslot.shape))
@@ -195,7 +226,7 @@ class Evictor:
                 raise ValueError(f"eviction array {name} missing or of another shape")
         score, keep, rslot = arrays["ev_score"], arrays["ev_keep"], arrays["ev_rslot"]
         if not np.isfinite(score).all() or (score < 0).any() or (keep > 1).any() or \
-                (rslot.size and not -1 <= rslot.min() <= rslot.max() < len(self.score)):
+                (rslot.size and not -1 <= rslot.min() <= rslot.max() < (cap or len(self.score))):
             raise ValueError("eviction state out of range")
         evicted, lost, pending = meta.get("evicted"), meta.get("lost"), meta.get("pending")
         if not isinstance(evicted, int) or evicted < 0 or not isinstance(lost, (int, float)) or \
@@ -214,7 +245,7 @@ class Evictor:
         self.evicted, self.lost, self.pending = saved["evicted"], saved["lost"], set(saved["pending"])
 
     def copy(self, lk) -> "Evictor":
-        twin = Evictor(self.policy, lk, self.recent)
+        twin = Evictor(self.policy, lk, self.recent)  # lk: a fork of this one's ring, of its capacity
         twin.score[:], twin.probe[:], twin.keep[:], twin.rslot[:] = self.score, self.probe, self.keep, self.rslot
         twin.pending, twin.evicted, twin.lost, twin.probed = set(self.pending), self.evicted, self.lost, self.probed
         return twin

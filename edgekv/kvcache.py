@@ -1,5 +1,5 @@
-"""The KV cache: one preallocated ring per layer, in f16, int8 or int4 (edgekv/kvkinds.py), never
-reallocated; the only code that changes a cache's state.
+"""The KV cache: one preallocated ring per layer, in f16, int8 or int4 (edgekv/kvkinds.py),
+reallocated only by an eviction policy's lending (below); the only code that changes a cache's state.
 
 Ring. A layer's ring holds `capacity` tokens. Until it is full, token i goes to slot i; then the
 first `n_sink` slots keep the first tokens (attention sinks) and the oldest of the rest is
@@ -47,6 +47,15 @@ StreamingLLM's cache-relative positions reproduce; once holes appear there is no
 any relative renumbering would move a kept token to a distance it never had (the scores that
 chose it were computed at its true distance). The price: past the model's trained context the
 true distances leave the trained range, where the window policy's do not.
+
+Lending (`lend`). Under a policy, in a model of sliding and global layers, the batch that
+overflows the global rings changes every ring's size (`sizes`, `resize`): the global rings share
+their slots 1.5x their mean for the first down to 0.5x for the last (a ring that shrinks drops
+its least important tokens), and while they are smaller than twice the window the sliding
+rings give them up to a quarter of it (dropping their least important in-window tokens: their
+scores are kept from the start for this). The sum of the slots, the memory, is the window
+policy's at every moment, and until that batch every output is the window policy's. On
+Gemma-3's 4096 tokens this halves the KL left (bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -193,6 +202,9 @@ class LayerKV:
     clean: int = 0  # leading slots whose rows are still as in `frozen` (nothing wrote them since)
     backend_state: object = field(default=None, compare=False, repr=False)  # a backend's derived per-layer data
     evictor: object = field(default=None, compare=False, repr=False)  # edgekv.evict.Evictor; None: the ring's order
+    # (capacity made with, tokens written past which it changes, capacity after) under an eviction
+    # policy's lending (KVCache.set_policy); () none. Every layer of a cache changes in one batch.
+    sizes: tuple = ()
 
     def __post_init__(self):
         self.capacity = self.pos.shape[0]
@@ -213,7 +225,9 @@ class LayerKV:
         per layer and token: plain arithmetic, no numpy (the arrays are the plan's properties).
         With an eviction policy, a batch the ring cannot hold as it is takes the slots the policy
         chooses (edgekv.evict.Evictor.plan)."""
-        if self.evictor is not None and self.n_written + len(q_pos) > self.capacity:
+        if self.sizes and self.n_written + len(q_pos) > self.sizes[1] and self.capacity != self.sizes[2]:
+            self.resize(self.sizes[2], q_pos.item(0))
+        if self.evictor is not None and self.n_written + len(q_pos) > self.capacity and self.evictor.plans:
             return self.evictor.plan(self, q_pos)
         n, p0 = len(q_pos), q_pos.item(0)
         nw, cap, s, r, f = self.n_written, self.capacity, self.n_sink, self.recent, self.first
@@ -230,7 +244,7 @@ class LayerKV:
         """A batch that attends over what the layer holds, its own keys beside, and is never
         stored: an eviction policy's probe (evict.Evictor.probe). Its rows have no slot (-1)."""
         fill = min(self.n_written, self.capacity)
-        if self.evictor is None:  # the ring's own rules (sinks' shift, sliding span)
+        if self.evictor is None or not self.evictor.plans:  # the ring's own rules (sinks' shift, sliding span)
             plan = self.plan(q_pos)
         else:  # every slot read, no shift (as Evictor.plan)
             p0 = q_pos.item(0)
@@ -311,11 +325,42 @@ class LayerKV:
         return live
 
     @property
+    def made(self) -> int:
+        """The capacity the ring was made with (before any lending)."""
+        return self.sizes[0] if self.sizes else self.capacity
+
+    def capacity_at(self, n_written: int) -> int:
+        """The capacity the ring has once n_written tokens are in it."""
+        return self.sizes[2] if self.sizes and n_written > self.sizes[1] else self.made
+
+    @property
     def span(self) -> int:
         """How far back (in positions) a query sees the non-sink slots: the model's window, or
         for a global layer everything the ring keeps, capacity - n_sink tokens including itself
         (0, no limit, under an eviction policy: what it keeps may be any distance back)."""
         return self.window or (0 if self.evictor is not None else self.capacity - self.n_sink)
+
+    def resize(self, cap: int, p0: int | None = None) -> None:
+        """Hold `cap` slots from now on (an eviction policy's lending, `sizes`): a ring that grows
+        keeps every token; one that shrinks drops the least important ones its policy chooses
+        for a batch at p0 (never sinks, the recent window or marked tokens), the survivors
+        packed into the first slots. New arrays (lazy zeros), so the memory let go goes back to
+        the OS once nothing holds the old ones; the frozen pages and a backend's data are let go."""
+        fill = self.fill
+        keep = np.arange(fill, dtype=np.int64)
+        if cap < fill:
+            victims = self.evictor.victims(self, fill - cap, p0)
+            keep = np.setdiff1d(keep, victims)
+        for name in self.slot_arrays:
+            a = getattr(self, name)
+            b = lazy_zeros((cap,) + a.shape[1:], a.dtype)
+            b[: len(keep)] = a[keep]
+            setattr(self, name, b)
+        self.capacity = cap
+        if self.evictor is not None:
+            self.evictor.resized(self, keep)
+        self.frozen, self.clean, self.backend_state = None, 0, None
+        self.epoch += 1
 
     def reset(self) -> None:
         self.pos[: self.fill] = -1
@@ -324,6 +369,8 @@ class LayerKV:
         if self.evictor is not None:
             self.evictor.reset()
         self.n_written, self.exact_from = 0, -1
+        if self.sizes and self.capacity != self.sizes[0]:  # lent or borrowed slots: back to the ring it was made
+            self.resize(self.sizes[0])
         self.epoch += 1
 
     def trim(self, n: int) -> bool:
@@ -351,7 +398,7 @@ class LayerKV:
         arrays.update({name: _copy(getattr(self, name), None) for name in LAYER_ARRAYS if name not in arrays})
         twin = LayerKV(self.kind, n_sink=self.n_sink, window=self.window, n_written=self.n_written,
                        recent=self.recent, first=self.first, exact_from=self.exact_from, frozen=shared,
-                       clean=self.fill if shared else 0, **arrays)
+                       clean=self.fill if shared else 0, sizes=self.sizes, **arrays)
         twin.evictor = self.evictor.copy(twin) if self.evictor is not None else None  # evicts as this ring would
         return twin
 
@@ -366,8 +413,8 @@ class LayerKV:
     def adopt(self, other: "LayerKV") -> None:
         """Hold what `other` (a ring of the same shape) holds, as a fork of it would, in place of
         what this ring held; other is left as it is."""
-        if (other.kind, other.capacity, other.k.shape, other.n_sink, other.window) != \
-                (self.kind, self.capacity, self.k.shape, self.n_sink, self.window):
+        if (other.kind, other.made, other.k.shape[1:], other.n_sink, other.window) != \
+                (self.kind, self.made, self.k.shape[1:], self.n_sink, self.window):
             raise ValueError("a ring of another shape")
         epoch = self.epoch
         self.__dict__.update(other.fork().__dict__)
@@ -404,7 +451,7 @@ class LayerKV:
         n_written = int(meta["n_written"])
         if n_written < 0:
             raise ValueError("negative n_written")
-        m = min(n_written, self.capacity)
+        m = min(n_written, self.capacity_at(n_written))
         missing = [name for name in LAYER_ARRAYS if name not in arrays]
         if missing:
             raise ValueError(f"array {missing[0]} missing")
@@ -420,12 +467,15 @@ class LayerKV:
             if arrays[name].size and not -1 <= arrays[name].min() <= arrays[name].max() < n_tokens:
                 raise ValueError(f"{name} out of range")
         if self.evictor is not None:  # None under another policy: this one starts afresh
-            arrays["evictor"] = self.evictor.checked(meta.get("evict"), saved, m, n_tokens)
+            arrays["evictor"] = self.evictor.checked(meta.get("evict"), saved, m, n_tokens, self.capacity_at(n_written))
         return n_written, arrays
 
     def take_state(self, n_written: int, arrays: dict[str, np.ndarray], frozen: dict | None = None) -> None:
         """Hold a `checked` state: its arrays copied in, or with frozen (its slot arrays frozen,
         pages.freeze) those mapped instead of copied."""
+        if self.capacity != self.capacity_at(n_written):  # a state from before or after the lending
+            self.n_written = 0
+            self.resize(self.capacity_at(n_written))
         self.n_written = n_written
         if frozen is not None:
             self.map_frozen(frozen)
@@ -481,8 +531,8 @@ def take_frozen(layers: list[LayerKV], states: list[tuple]) -> None:
     """Each layer takes its `checked` state (n_written, arrays), the slot arrays frozen straight
     from the given ones into one file and mapped (a loaded prompt-cache file: one copy, shared
     by whatever adopts these layers later); copied in where pages cannot be shared."""
-    items = [(arrays[name], arrays[name].nbytes, None, 0, getattr(lk, name).shape)
-             for lk, (_, arrays) in zip(layers, states) for name in lk.slot_arrays]
+    items = [(arrays[name], arrays[name].nbytes, None, 0, (lk.capacity_at(n),) + getattr(lk, name).shape[1:])
+             for lk, (n, arrays) in zip(layers, states) for name in lk.slot_arrays]
     try:
         made = iter(pages.freeze(items)) if pages.SUPPORTED else None
     except OSError:
@@ -532,6 +582,38 @@ def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: i
     return LayerKV(kind, k, v, ks, vs, pos, n_sink, window, recent=recent, first=first)
 
 
+def lend(layers: list[LayerKV], evict: str) -> None:
+    """Under an eviction policy, in a model of sliding and global layers whose sliding rings
+    hold their whole window: once the global rings are full (`sizes`) they are split from
+    SPLIT[0] to SPLIT[1] times their mean, first to last (the first global layer wants the most
+    room, the last little: bench/RESULTS.md), and when they are smaller than twice the window the
+    sliding layers lend them up to LEND of it. Until then every ring is as the window policy's;
+    the slots in all stay the same."""
+    from .evict import LEND, SPLIT
+
+    glob = [lk for lk in layers if not lk.window]
+    lenders = [lk for lk in layers if lk.window and lk.capacity >= lk.window]
+    if evict == "window" or not glob or not lenders:
+        return
+    at = min(lk.capacity for lk in glob)
+    if at < max(lk.capacity for lk in lenders):
+        return
+    # the less the global rings see past the window, the more they gain: LEND at a ring of the
+    # window, none from twice it on (where lending measured no gain and its one-time drop a loss)
+    give = [int(lk.capacity * LEND * min(1.0, max(0.0, 2.0 - at / lk.window))) for lk in lenders]
+    total = sum(lk.capacity for lk in glob) + sum(give)
+    hi, lo = SPLIT
+    w = np.linspace(hi, lo, len(glob)) if len(glob) > 1 else np.ones(1)
+    caps = np.rint(total * w / w.sum()).astype(int)
+    caps[0] += total - caps.sum()
+    for lk, g in zip(lenders, give):
+        if g:
+            lk.sizes = (lk.capacity, at, lk.capacity - g)
+    for lk, c in zip(glob, caps):
+        if c != lk.capacity:
+            lk.sizes = (lk.capacity, at, int(c))
+
+
 class KVCache:
     """All layers' rings. Layer l keeps `capacities[l]` tokens; `windows[l]` is its sliding window."""
 
@@ -554,24 +636,33 @@ class KVCache:
     # -- eviction (edgekv/evict.py) --------------------------------------------------------
     def set_policy(self, evict: str) -> None:
         """The eviction policy of every layer whose ring can drop a token its queries still
-        see (global layers; a sliding layer only when its ring is smaller than its window)."""
+        see (global layers; a sliding layer when its ring is smaller than its window, or when it
+        lends: `lend`, its scores then choose what it gives up)."""
         from .evict import Evictor, check_policy
 
         self.evict = check_policy(evict)
+        for lk in self.layers:  # a lending not begun yet is this policy's to choose again
+            if lk.sizes and lk.capacity == lk.sizes[0]:
+                lk.sizes = ()
+        if not any(lk.sizes for lk in self.layers):
+            lend(self.layers, evict)
         for lk in self.layers:
-            lk.evictor = None if evict == "window" or (lk.window and lk.capacity >= lk.window) else Evictor(evict, lk)
+            lk.evictor = None if evict == "window" or (lk.window and lk.capacity >= lk.window and not lk.sizes) \
+                else Evictor(evict, lk)
             lk.backend_state = None  # the fused decode pack holds the policy's arrays
 
     @property
     def batch_limit(self) -> int | None:
         """The largest batch every evicting ring can take once full, leaving room for protected
         tokens (None: no policy limits it)."""
-        rooms = [(lk.capacity - lk.n_sink - lk.evictor.recent) // 2 for lk in self.layers if lk.evictor is not None]
+        rooms = [(min(lk.capacity, lk.capacity_at(1 << 62)) - lk.n_sink - lk.evictor.recent) // 2
+                 for lk in self.layers if lk.evictor is not None]
         return max(1, min(rooms)) if rooms else None
 
     def evicts(self, n: int) -> bool:
         """Would a batch of n tokens make an eviction policy overwrite a token?"""
-        return any(lk.n_written + n > lk.capacity for lk in self.layers if lk.evictor is not None)
+        return any(lk.n_written + n > lk.capacity_at(lk.n_written + n) for lk in self.layers
+                   if lk.evictor is not None and (lk.evictor.plans or lk.n_written + n > lk.sizes[1]))
 
     def probed(self) -> None:
         """A probe (ProbeCache) has run over this cache: its scores count from now (Evictor.pool)."""

@@ -395,3 +395,117 @@ def test_a_prompt_cache_file_keeps_the_protected_tokens():
     window = llm.new_cache(evict="window")  # another policy's cache takes the tokens, not the state
     load_cache(window, metas, _unpack(raw_arrays(index, body), len(metas)), len(ids))
     assert all(lk.evictor is None for lk in window.layers)
+
+
+@pytest.mark.parametrize("kind", ["f16", "int8", "int4"])
+def test_sliding_layers_lend_to_the_global_layer_once_it_fills(kind):
+    """Under a policy, the sliding layers (rings of their whole window, 64) give a quarter of it to
+    the global layer (a ring of the window too) in the batch that overflows it, the slots in all
+    unchanged: until then every output is the window policy's, bit for bit; after it the global
+    ring keeps all 96 positions, each sliding ring its most attended 48 of the window (never the
+    last 32 nor marked ones), the CPU kernels as the reference backend; reset gives the rings
+    back. From twice the window on nothing is lent."""
+    from edgekv.backends.cpu import CPUBackend
+    from edgekv.backends.reference import ReferenceBackend
+    from edgekv.kvcache import KVCache
+
+    rng = np.random.default_rng(5)
+    shape = dict(n_sink=4, windows=[0, 64, 64], kind=kind)
+    window = KVCache([64, 64, 64], HKV, HD, **shape)
+    caches = [KVCache([64, 64, 64], HKV, HD, evict="ema", **shape) for _ in range(2)]
+    assert [lk.sizes for lk in caches[0].layers] == [(64, 64, 96), (64, 64, 48), (64, 64, 48)]
+    assert [lk.sizes for lk in KVCache([96, 64, 64], HKV, HD, evict="ema", **shape).layers] == [(96, 96, 112), (64, 96, 56), (64, 96, 56)]
+    assert [lk.sizes for lk in KVCache([128, 64, 64], HKV, HD, evict="ema", **shape).layers] == [(), (), ()]
+    assert all(lk.evictor is not None for lk in caches[0].layers) and caches[0].batch_limit == (48 - 32) // 2
+    bes = [CPUBackend(), ReferenceBackend()]
+    for c in caches:
+        c.protect([70, 71])
+    p = 0
+    for n in [8] * 5 + [1] * 50 + [6, 5] + [1] * 60:
+        q, k, v = _qkv(rng, n)
+        qp = np.arange(p, p + n, dtype=np.int64)
+        outs = [[be.attention(q, qp, lk, k, v, SCALE, _rope()) for lk in c.layers] for be, c in zip(bes, caches)]
+        w_out = [bes[0].attention(q, qp, lk, k, v, SCALE, _rope()) for lk in window.layers]
+        p += n
+        a, b = caches
+        assert sum(lk.capacity for lk in a.layers) == 192
+        for la, lb, oa, ob in zip(a.layers, b.layers, *outs):
+            assert _kept(la) == _kept(lb), f"after position {p - 1}"
+            np.testing.assert_allclose(la.evictor.score, lb.evictor.score, atol=1e-5, rtol=2e-3)
+            np.testing.assert_allclose(oa, ob, atol=3e-3, rtol=3e-3)
+        if p <= 64:
+            assert [lk.capacity for lk in a.layers] == [64, 64, 64]
+            for oa, ow in zip(outs[0], w_out):
+                assert np.array_equal(oa, ow)
+        else:
+            assert [lk.capacity for lk in a.layers] == [96, 48, 48]
+            if p <= 96:  # the global ring keeps everything until its borrowed slots are full too
+                assert _kept(a[0]) == set(range(p))
+            for lk in a.layers[1:]:
+                kept = _kept(lk)
+                assert len(kept) == 48 and set(range(p - 32, p)) <= kept
+                assert all(m >= p or p - n - m >= 64 or m in kept for m in (70, 71))  # marked, while in the window
+    kept = _kept(caches[0][0])
+    assert len(kept) == 96 and set(range(4)) <= kept and set(range(p - 32, p)) <= kept
+    caches[0].reset()
+    assert [lk.capacity for lk in caches[0].layers] == [64, 64, 64] and caches[0].layers[1].evictor.plans is False
+
+
+@pytest.mark.parametrize("kind", ["f16", "int4"])
+def test_a_lent_cache_saves_forks_and_goes_on_as_it_would(kind):
+    """After the lending: a fork and a cache loaded from the layers' states (LayerKV.state /
+    load_state into a fresh cache, which takes the lent sizes) go on exactly as the original."""
+    from edgekv.backends.cpu import CPUBackend
+    from edgekv.kvcache import KVCache
+
+    rng = np.random.default_rng(6)
+    be = CPUBackend()
+    make = lambda: KVCache([64, 64, 64], HKV, HD, n_sink=4, windows=[0, 64, 64], kind=kind, evict="tova")  # noqa: E731
+    cache, p = make(), 0
+    for n in [8] * 4 + [1] * 90:
+        q, k, v = _qkv(rng, n)
+        for lk in cache.layers:
+            be.attention(q, np.arange(p, p + n, dtype=np.int64), lk, k, v, SCALE, _rope())
+        p += n
+    assert [lk.capacity for lk in cache.layers] == [96, 48, 48]
+    back = make()
+    for lk, lb in zip(cache.layers, back.layers):
+        lb.load_state(*lk.state(), p)
+    twin = cache.fork()
+    _same_evictors(_evictors(cache), _evictors(back))
+    for n in [1] * 30 + [5]:
+        q, k, v = _qkv(rng, n)
+        qp = np.arange(p, p + n, dtype=np.int64)
+        outs = [[be.attention(q, qp, lk, k, v, SCALE, _rope()) for lk in c.layers] for c in (cache, back, twin)]
+        p += n
+        for x, y, z in zip(*outs):
+            assert np.array_equal(x, y) and np.array_equal(x, z)
+    for c in (back, twin):
+        assert [_kept(lk) for lk in c.layers] == [_kept(lk) for lk in cache.layers]
+        assert [lk.capacity for lk in c.layers] == [96, 48, 48]
+
+
+def test_fused_decode_block_lends_as_the_op_by_op_path():
+    """Gemma-3 with its sliding window cut to 64 (so 200 tokens pass the lending): the fused decode
+    block keeps the same tokens as the op-by-op path in every layer, the same logits, the sliding
+    rings 48 slots after the global ones (64) fill, the global ones 216, 144 and 72."""
+    import dataclasses
+
+    from edgekv.kvcache import KVCache
+
+    _, model = open_model("gemma3", "cpu")
+    model.cfg = dataclasses.replace(model.cfg, sliding_window=64)
+    P = llamacpp_fixture("gemma3")["prompts"]
+    ids = sum((x["prompt_ids"] + x["continuation"] for x in P), [])[:200]
+    runs = []
+    for fused in (True, False):
+        cfg = model.cfg
+        cache = KVCache.for_model(cfg, 64, "int8", evict="ema")
+        runs.append((decode_logits(model, ids, cache, fused, 20), cache))
+    (fused, fc), (plain, pc) = runs
+    assert [lk.capacity for lk in fc.layers if not lk.window] == [216, 144, 72]  # 3 x 64 + 15 x 16, split 1.5 : 1 : 0.5
+    assert all(lk.capacity == 48 for lk in fc.layers if lk.window)
+    for a, b in zip(fc.layers, pc.layers):
+        assert _kept(a) == _kept(b) and a.capacity == b.capacity
+    rel = np.linalg.norm(fused - plain, axis=-1) / np.linalg.norm(plain, axis=-1)
+    assert rel.max() < 1e-3, rel.max()
