@@ -493,18 +493,21 @@ def test_fused_decode_block_lends_as_the_op_by_op_path():
 
     from edgekv.kvcache import KVCache
 
-    _, model = open_model("gemma3", "cpu")
-    model.cfg = dataclasses.replace(model.cfg, sliding_window=64)
+    _, model = open_model("gemma3", "cpu")  # shared by the tests (lru_cache): its config put back after
     P = llamacpp_fixture("gemma3")["prompts"]
     ids = sum((x["prompt_ids"] + x["continuation"] for x in P), [])[:200]
-    runs = []
-    for fused in (True, False):
-        cfg = model.cfg
-        cache = KVCache.for_model(cfg, 64, "int8", evict="ema")
-        runs.append((decode_logits(model, ids, cache, fused, 20), cache))
+    saved, runs = model.cfg, []
+    model.cfg = dataclasses.replace(saved, sliding_window=64)
+    try:
+        windows = model.cfg.windows()
+        for fused in (True, False):
+            cache = KVCache.for_model(model.cfg, 64, "int8", evict="ema")
+            runs.append((decode_logits(model, ids, cache, fused, 20), cache))
+    finally:
+        model.cfg = saved
     (fused, fc), (plain, pc) = runs
     assert [lk.capacity for lk in fc.layers if not lk.window] == [216, 144, 72]  # 3 x 64 + 15 x 16, split 1.5 : 1 : 0.5
-    assert all(lk.capacity == 48 for lk in fc.layers if lk.window)
+    assert all(lk.capacity == 48 for lk in fc.layers if lk.window) and [lk.window for lk in fc.layers] == windows
     for a, b in zip(fc.layers, pc.layers):
         assert _kept(a) == _kept(b) and a.capacity == b.capacity
     rel = np.linalg.norm(fused - plain, axis=-1) / np.linalg.norm(plain, axis=-1)
