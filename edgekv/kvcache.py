@@ -55,7 +55,8 @@ its least important tokens), and while they are smaller than twice the window th
 rings give them up to a quarter of it (dropping their least important in-window tokens: their
 scores are kept from the start for this). The sum of the slots, the memory, is the window
 policy's at every moment, and until that batch every output is the window policy's. On
-Gemma-3's 4096 tokens this halves the KL left (bench/RESULTS.md).
+Gemma-3's 4096 tokens it takes ema from 0.59x / 0.63x of the window's KL to 0.46x / 0.28x at
+rings of 1024 / 512 (bench/RESULTS.md).
 """
 from __future__ import annotations
 
