@@ -70,13 +70,18 @@ class Evictor:
         self.rslot = np.full(lk.first + lk.recent, -1, np.int64)  # (first + recent,) slot of each exact row's token
         self.recent = max(recent, lk.recent)
         self.window = lk.window
-        self.plans = not (lk.window and cap >= lk.window)  # False: a sliding ring of its whole window, lending (scores only)
         self.pending: set[int] = set()  # positions to protect once stored
         self.evicted = 0  # tokens overwritten
         self.lost = 0.0  # their attention (mean per query) when overwritten, summed
         from .kernels_cpu.evict import _choose  # here, not at import: `import edgekv` loads no numba
 
         self._choose = _choose  # unwrapped: it runs per evicting layer and decode token
+
+    @property
+    def plans(self) -> bool:
+        """Does it choose the slots of a full ring? False for a sliding ring of its whole window,
+        lending (kvcache.lend): it keeps scores only, for what it gives up, and the ring's order drops."""
+        return not (self.window and len(self.score) >= self.window)
 
     def target(self, plan) -> tuple[int, np.ndarray]:
         """(mode, scores) a batch's attention updates: a probe's replaces the probe scores."""
@@ -105,24 +110,23 @@ class Evictor:
         nw, cap, s, r, f = lk.n_written, lk.capacity, lk.n_sink, lk.recent, lk.first
         fill = nw if nw < cap else cap
         need = n - (cap - fill)
-        sc = self.probe if self.probed else self.score  # a probe ran for this batch: what the prompt's end attends to chooses
-        victims = np.empty(need, np.int64)
-        if self._choose(sc, self.keep, lk.pos, s, p0 - self.recent, self.window, p0, victims) != need:
+        victims = self.victims(lk, need, p0)
+        if victims is None:
             raise ContextError(f"a batch of {n} tokens does not fit a {cap}-token ring that protects "
                                f"{s} sinks and the last {self.recent} tokens (KVCache.batch_limit)")
-        self._account(lk, victims, p0)
         slots = victims if fill == cap else np.concatenate([np.arange(fill, cap, dtype=np.int64), victims])
         last = p0 + n - 1
         # tuple.__new__, as LayerKV.plan: a decode token makes one plan per evicting layer
         return tuple.__new__(Plan, (p0, n, True, cap, lk.exact_from if lk.exact_from >= 0 else p0, 0, slots.item(0),
                                     (last if last < f else f + last % r) if r else -1, nw, cap, s, f, r, slots, False))
 
-    def victims(self, lk, need: int, p0: int) -> np.ndarray:
-        """(need,) slots to give up before a batch at p0, least important first (LayerKV.resize)."""
-        sc = self.probe if self.probed else self.score
+    def victims(self, lk, need: int, p0: int) -> np.ndarray | None:
+        """(need,) slots to give up before a batch at p0, least important first, counted as evicted
+        (plan, LayerKV.resize); None when the ring has fewer it may give up."""
+        sc = self.probe if self.probed else self.score  # a probe ran for this batch: what the prompt's end attends to chooses
         out = np.empty(need, np.int64)
         if self._choose(sc, self.keep, lk.pos, lk.n_sink, p0 - self.recent, self.window, p0, out) != need:
-            raise ContextError(f"a {lk.capacity}-token ring cannot give up {need} slots")
+            return None
         self._account(lk, out, p0)
         return out
 
@@ -138,7 +142,6 @@ class Evictor:
             setattr(self, name, b)
         live = self.rslot >= 0
         self.rslot[live] = new[self.rslot[live]]
-        self.plans = not (lk.window and cap >= lk.window)
 
     def _account(self, lk, victims: np.ndarray, p0: int) -> None:
         if len(victims) == 1:  # decode: plain floats (numpy's per-call cost was ~1 ms a token at 30 layers)
@@ -213,10 +216,10 @@ class Evictor:
         meta = dict(policy=self.policy, evicted=self.evicted, lost=self.lost, pending=sorted(self.pending))
         return meta, dict(ev_score=self.score[:fill], ev_keep=self.keep[:fill].view(np.uint8), ev_rslot=self.rslot)
 
-    def checked(self, meta, arrays: dict, fill: int, n_tokens: int, cap: int | None = None) -> dict | None:
+    def checked(self, meta, arrays: dict, fill: int, n_tokens: int, cap: int) -> dict | None:
         """A `state` of a cache of n_tokens, checked (ValueError when it does not fit), or None when
         it was saved under another policy or none: this policy then starts afresh. Changes nothing.
-        cap: the ring's capacity at n_tokens (LayerKV.capacity_at; default its capacity now)."""
+        cap: the ring's capacity once the state is in (LayerKV.capacity_at)."""
         if not isinstance(meta, dict) or meta.get("policy") != self.policy:
             return None
         want = dict(ev_score=(np.float32, (fill,)), ev_keep=(np.uint8, (fill,)), ev_rslot=(np.int64, self.rslot.shape))
@@ -226,7 +229,7 @@ class Evictor:
                 raise ValueError(f"eviction array {name} missing or of another shape")
         score, keep, rslot = arrays["ev_score"], arrays["ev_keep"], arrays["ev_rslot"]
         if not np.isfinite(score).all() or (score < 0).any() or (keep > 1).any() or \
-                (rslot.size and not -1 <= rslot.min() <= rslot.max() < (cap or len(self.score))):
+                (rslot.size and not -1 <= rslot.min() <= rslot.max() < cap):
             raise ValueError("eviction state out of range")
         evicted, lost, pending = meta.get("evicted"), meta.get("lost"), meta.get("pending")
         if not isinstance(evicted, int) or evicted < 0 or not isinstance(lost, (int, float)) or \

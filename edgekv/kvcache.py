@@ -67,7 +67,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import pages
-from .errors import EdgekvError
+from .errors import ContextError, EdgekvError
 from .kvkinds import GROUP, KINDS, KV_KINDS
 
 KV_BYTES_PER_VALUE = {name: k.bytes_per_value for name, k in KINDS.items()}
@@ -351,6 +351,8 @@ class LayerKV:
         keep = np.arange(fill, dtype=np.int64)
         if cap < fill:
             victims = self.evictor.victims(self, fill - cap, p0)
+            if victims is None:
+                raise ContextError(f"a {self.capacity}-token ring cannot give up {fill - cap} slots")
             keep = np.setdiff1d(keep, victims)
         for name in self.slot_arrays:
             a = getattr(self, name)
@@ -604,7 +606,7 @@ def lend(layers: list[LayerKV], evict: str) -> None:
     give = [int(lk.capacity * LEND * min(1.0, max(0.0, 2.0 - at / lk.window))) for lk in lenders]
     total = sum(lk.capacity for lk in glob) + sum(give)
     hi, lo = SPLIT
-    w = np.linspace(hi, lo, len(glob)) if len(glob) > 1 else np.ones(1)
+    w = np.linspace(hi, lo, len(glob))
     caps = np.rint(total * w / w.sum()).astype(int)
     caps[0] += total - caps.sum()
     for lk, g in zip(lenders, give):
@@ -656,7 +658,7 @@ class KVCache:
     def batch_limit(self) -> int | None:
         """The largest batch every evicting ring can take once full, leaving room for protected
         tokens (None: no policy limits it)."""
-        rooms = [(min(lk.capacity, lk.capacity_at(1 << 62)) - lk.n_sink - lk.evictor.recent) // 2
+        rooms = [(min((lk.capacity,) + lk.sizes[2:]) - lk.n_sink - lk.evictor.recent) // 2  # a lent ring: its least
                  for lk in self.layers if lk.evictor is not None]
         return max(1, min(rooms)) if rooms else None
 
