@@ -22,8 +22,8 @@ import numpy as np
 from numba import njit, prange
 
 from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
-from .layouts import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _each_block, _tile_at, _tiles
-from .simd import at, cat, cvt, dot4acc, fma, lane, ld, shuffler, splat, st, view, vmul
+from .layouts import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, Q4_0X16, Q4_1X16, Q8_0X16, _each_block, x16_geometry, _tile_at, _tiles
+from .simd import at, cat, cvt, dot4acc, fma, h2f, lane, ld, shuffler, splat, st, vand, view, vmul, vshr, vxor
 
 _R = 32  # rows per tile: two vectors of 16 int32 lanes
 _T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast: 27 of 32 zmm)
@@ -33,8 +33,12 @@ f32, i32 = np.float32, np.int32
 @njit(inline="always")
 def _type_info(qtype):
     """(quant offset, has a min term, sub-block size) of a quantized type."""
-    if qtype == Q4_0:
+    if qtype == Q4_0 or qtype == Q4_0X16:
         return 8, False, 32
+    if qtype == Q8_0X16:
+        return 128, False, 32
+    if qtype == Q4_1X16:
+        return 0, True, 32
     if qtype == Q5_0:
         return 16, False, 32
     if qtype == Q8_0 or qtype == IQ4_NL:
@@ -150,9 +154,35 @@ def _unpack_k(a, scales, quants, nbytes, off, sb):
                 mn[(per * b + j) * _R + rr] = -dmin * f32(lane(mv, e))
 
 
+@njit(fastmath=True, inline="always")
+def _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn):
+    """X16 rows are in u's layout already, 16 at a time: nibbles split (or Q8_0's bytes made
+    unsigned), scales and mins widened."""
+    qb, unit, has_min, _, _ = x16_geometry(qtype)
+    zu, zf = splat(np.uint32(0), 16), splat(f32(0), 16)
+    for h in range(_R // 16):
+        g = (r0 + 16 * h) * rb  # the group's first byte (rows past nr: zeros)
+        live = 16 * h < nr
+        for b in range(k // 32):
+            q = g + unit * (b // 2) + 16 * qb * (b % 2)
+            sc = g + unit * (b // 2) + 32 * qb + 32 * (b % 2)
+            for j in range(qb // 4):
+                v = view(ld(w, q + 64 * j, 64), np.uint32) if live else zu
+                if qb == 32:
+                    st(u, (8 * b + j) * _R + 16 * h, vxor(v, 0x80808080) if live else zu)
+                else:
+                    st(u, (8 * b + j) * _R + 16 * h, vand(v, 0x0F0F0F0F))
+                    st(u, (8 * b + 4 + j) * _R + 16 * h, vand(vshr(v, 4), 0x0F0F0F0F))
+            st(s, b * _R + 16 * h, h2f(view(ld(w, sc, 32), np.uint16)) if live else zf)
+            st(mn, b * _R + 16 * h, h2f(view(ld(w, sc + 64, 32), np.uint16)) if has_min and live else zf)
+
+
 @njit(fastmath=True)
 def _unpack(qtype, w, rb, r0, nr, k, u, s, mn, tmp):
     """The tile's rows decoded row by row into tmp (_R, k/4), then transposed into u."""
+    if qtype > X16:
+        _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn)
+        return
     _each_block(qtype, _unpack_32, _unpack_k, (w, rb, r0, nr, k, tmp, s, mn))
     k4 = k // 4
     for rr in range(nr, _R):

@@ -6,7 +6,7 @@ fused weight's three parts (_tiles, _tile_at) that qmatmul's and igemm's paralle
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from edgekv import quants as qt
 from edgekv.quants import KVALUES_IQ4NL
@@ -454,6 +454,76 @@ def _each_block(qtype, on_32, on_k, a):
         on_k(a, _scales_q6_k, _quants_q6_k, _NB_Q6_K, _OFF_Q6_K, 16)
     else:  # IQ4_XS
         on_k(a, _scales_iq4_xs, _quants_iq4_xs, _NB_IQ4_XS, _OFF_IQ4_XS, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Q4_0, Q4_1 and Q8_0 repacked at load for the decode dots (not GGUF types; qmatmul.pack makes
+# them): 16 rows side by side, so that one vpdpbusd of 16 int32 lanes is 16 rows times 4
+# broadcast activations and a lane sums a whole block of its row (igemm's tile layout, kept
+# packed). Per group of 16 rows (16 x the row's bytes, contiguous) and pair of blocks (a unit,
+# whole 64-byte lines): block 2u's quants, 16 x qb bytes (bytes 4s .. 4s+3 of row r's qb at
+# 64 s + 4 r), block 2u+1's, then the float16 scales of the two blocks (row r at 2 r, then
+# 32 + 2 r), then their mins the same way (Q4_1). The same bytes as the GGUF rows, moved.
+# ---------------------------------------------------------------------------------------------
+X16 = 1000  # + the GGUF type id
+Q4_0X16, Q4_1X16, Q8_0X16 = X16 + Q4_0, X16 + Q4_1, X16 + Q8_0
+
+
+@njit(inline="always")
+def x16_geometry(qtype):
+    """(bytes of quants per row and block, bytes per unit, has a min, the GGUF block's bytes and
+    its quants' offset in it) of an X16 layout (or of its GGUF type)."""
+    t = qtype - X16 if qtype > X16 else qtype
+    if t == Q4_1:
+        return 16, 640, True, _NB_Q4_1, 4
+    if t == Q8_0:
+        return 32, 1088, False, _NB_Q8_0, 2
+    return 16, 576, False, _NB_Q4_0, 2
+
+
+def x16_fits(qtype: int, m: int, row_bytes: int) -> bool:
+    """Whether a matrix of m rows can take its type's X16 layout: whole groups and block pairs."""
+    return qtype in (Q4_0, Q4_1, Q8_0) and m % 16 == 0 and row_bytes % (2 * qt.QUANT_TYPES[qtype].block_bytes) == 0
+
+
+@njit(cache=True, parallel=True)
+def repack_x16(src, dst, qtype):
+    """dst (m, row_bytes) = the rows of src (GGUF type qtype) in its X16 layout (x16_fits holds)."""
+    m, rb = src.shape
+    qb, unit, has_min, nbytes, qo = x16_geometry(qtype)
+    nb = rb // nbytes
+    s, d = src.reshape(-1), dst.reshape(-1)
+    for g in prange(m // 16):
+        base = g * 16 * rb
+        for r in range(16):
+            ro = (16 * g + r) * rb
+            for b in range(nb):
+                o = ro + nbytes * b
+                u = base + unit * (b // 2)
+                q = u + 16 * qb * (b % 2) + 4 * r
+                for j in range(qb):
+                    d[q + 64 * (j // 4) + j % 4] = s[o + qo + j]
+                sc = u + 32 * qb + 32 * (b % 2) + 2 * r
+                d[sc], d[sc + 1] = s[o], s[o + 1]
+                if has_min:
+                    d[sc + 64], d[sc + 65] = s[o + 2], s[o + 3]
+
+
+@njit(fastmath=True, inline="always")
+def x16_block(w, qtype, rb, row, b):
+    """Row `row`'s block b of an X16 weight w (flat) as the GGUF type's block decoder gives it:
+    (q, off, d, m)."""
+    qb, unit, has_min, nbytes, qo = x16_geometry(qtype)
+    u = (row // 16) * 16 * rb + unit * (b // 2)
+    q = u + 16 * qb * (b % 2) + 4 * (row % 16)
+    sc = u + 32 * qb + 32 * (b % 2) + 2 * (row % 16)
+    v = cat(cat(ld(w, q, 4), ld(w, q + 64, 4)), cat(ld(w, q + 128, 4), ld(w, q + 192, 4)))
+    if qb == 32:  # Q8_0
+        v2 = cat(cat(ld(w, q + 256, 4), ld(w, q + 320, 4)), cat(ld(w, q + 384, 4), ld(w, q + 448, 4)))
+        return vadd(cat(v, v2), 128), 128, half(w, sc), f32(0)
+    if has_min:
+        return _nibbles(v), 0, half(w, sc), half(w, sc + 64)
+    return _nibbles(v), 8, half(w, sc), f32(0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,11 +41,12 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       _block_iq4_nl, _block_q4_0, _block_q4_1, _block_q5_0, _block_q5_1, _block_q8_0,
                       _each_block, _half_iq4_xs, _load_bf16, _load_f16, _load_f32, _pair_q2_k, _pair_q3_k, _pair_q6_k,
                       _quad_iq4_nl, _quad_q4_0, _quad_q4_1, _quad_q4_k, _quad_q5_0, _quad_q5_1, _quad_q5_k, _quad_q8_0,
-                      _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles)
+                      _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles,
+                      X16, Q4_0X16, Q4_1X16, Q8_0X16, repack_x16, x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
 from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, fma, half, hmax, hsum, lane, ld, ld_f16, madd,
                    madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax, vmul, vmul_kept,
-                   vrint, vsub)
+                   vrint, vsub, h2f, vand, view, vshr, vxor, word)
 
 SUPPORTED = qt.CPU_TYPES
 _FLOAT_TYPES = qt.FLOAT_TYPES
@@ -54,6 +55,7 @@ _FLOAT_TYPES = qt.FLOAT_TYPES
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
 _PF = 4096  # decode: bytes of weights prefetched ahead (1024 streamed at 0.89x of 4096 in a 7B model)
+_PF_X16 = 8192  # the same for the Q4_0X16 layout (7B-sized matvecs, 2 threads: 4096 streamed at ~0.85x)
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
 _TOK = 32
@@ -466,6 +468,104 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nby
 
 
 @njit(fastmath=True, inline="always")
+def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min):
+    """One token's share of a block of 16 repacked rows (v: 8 vectors of their quants as unsigned
+    bytes, v[s] at k = 4s .. 4s+3 of the block; ds, ms: 16 scales and mins) added to f: two
+    chains of 4 vpdpbusd on broadcast activations, the first started from -off * the block's sum
+    of xq (xoff), then one scale (and min) per lane."""
+    i = dot4acc(splat(at(xoff, bt), 16), v[0], _bx(xq, xo))
+    j = dot4(v[4], _bx(xq, xo + 16))
+    i, j = dot4acc(i, v[1], _bx(xq, xo + 4)), dot4acc(j, v[5], _bx(xq, xo + 20))
+    i, j = dot4acc(i, v[2], _bx(xq, xo + 8)), dot4acc(j, v[6], _bx(xq, xo + 24))
+    i, j = dot4acc(i, v[3], _bx(xq, xo + 12)), dot4acc(j, v[7], _bx(xq, xo + 28))
+    f = fma(cvt(vadd(i, j), f32), vmul_kept(ds, splat(at(xd, bt), 16)), f)
+    return fma(ms, splat(at(xsum, bt), 16), f) if has_min else f
+
+
+@njit(inline="always")
+def _bx(xq, i):
+    """The 4 int8 activations at xq[i] broadcast to 64 bytes."""
+    return view(splat(word(xq, i), 16), np.int8)
+
+
+@njit(fastmath=True, inline="always")
+def _x16_quants(w, q, qb):
+    """A repacked block's quants at byte q as 8 vectors of unsigned bytes (see _x16_token)."""
+    v0, v1, v2, v3 = ld(w, q, 64), ld(w, q + 64, 64), ld(w, q + 128, 64), ld(w, q + 192, 64)
+    if qb == 32:  # Q8_0: int8 + 128
+        v4, v5, v6, v7 = ld(w, q + 256, 64), ld(w, q + 320, 64), ld(w, q + 384, 64), ld(w, q + 448, 64)
+        return (vxor(v0, 128), vxor(v1, 128), vxor(v2, 128), vxor(v3, 128),
+                vxor(v4, 128), vxor(v5, 128), vxor(v6, 128), vxor(v7, 128))
+    return (vand(v0, 15), vand(v1, 15), vand(v2, 15), vand(v3, 15), _hi4(v0), _hi4(v1), _hi4(v2), _hi4(v3))
+
+
+@njit(inline="always")
+def _hi4(v):
+    return vand(view(vshr(view(v, np.uint32), 4), np.uint8), 15)
+
+
+@njit(fastmath=True, inline="always")
+def _x16_half(w, o, h, qb, has_min, xq, k, xd, xsum, xoff, t, nb, b, nt, f0, f1, f2, f3):
+    """Block b (= h of the unit at byte o) of the group for the tile's nt tokens."""
+    sc = o + 32 * qb + 32 * h
+    ds = h2f(view(ld(w, sc, 32), np.uint16))
+    ms = h2f(view(ld(w, sc + 64, 32), np.uint16)) if has_min else ds
+    v = _x16_quants(w, o + 16 * qb * h, qb)
+    f0 = _x16_token(v, ds, ms, xq, t * k + 32 * b, xd, xsum, xoff, t * nb + b, f0, has_min)
+    if nt > 1:
+        f1 = _x16_token(v, ds, ms, xq, (t + 1) * k + 32 * b, xd, xsum, xoff, (t + 1) * nb + b, f1, has_min)
+    if nt > 2:
+        f2 = _x16_token(v, ds, ms, xq, (t + 2) * k + 32 * b, xd, xsum, xoff, (t + 2) * nb + b, f2, has_min)
+        f3 = _x16_token(v, ds, ms, xq, (t + 3) * k + 32 * b, xd, xsum, xoff, (t + 3) * nb + b, f3, has_min)
+    return f0, f1, f2, f3
+
+
+@njit(fastmath=True, inline="always")
+def _x16_pass(w, g0, nb, qtype, xq, k, xd, xsum, xoff, t, nt, out, c):
+    """out[t : t + nt, c : c + 16] for the group of 16 repacked rows at byte g0 and nt (1, 2 or 4)
+    tokens from t: each block unpacked once for the tokens; each token's sums in the same order
+    whatever nt is (even and odd blocks in two accumulators), so its result has one set of bits."""
+    qb, unit, has_min, _, _ = x16_geometry(qtype)
+    z = splat(f32(0), 16)
+    e0, e1, e2, e3, o0, o1, o2, o3 = z, z, z, z, z, z, z, z
+    for u in range(nb // 2):
+        o = g0 + unit * u
+        for p in range(0, unit, 64):
+            prefetch(w, o + _PF_X16 + p)
+        e0, e1, e2, e3 = _x16_half(w, o, 0, qb, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u, nt, e0, e1, e2, e3)
+        o0, o1, o2, o3 = _x16_half(w, o, 1, qb, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u + 1, nt, o0, o1, o2, o3)
+    _x16_store(out, t, c, vadd(e0, o0))
+    if nt > 1:
+        _x16_store(out, t + 1, c, vadd(e1, o1))
+    if nt > 2:
+        _x16_store(out, t + 2, c, vadd(e2, o2))
+        _x16_store(out, t + 3, c, vadd(e3, o3))
+
+
+@njit(inline="always")
+def _x16_store(out, t, c, v):
+    for i in range(16):
+        out[t, c + i] = lane(v, i)
+
+
+@njit(fastmath=True, inline="always")
+def _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, qtype):
+    """An X16 type (layouts.py): rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, 4 at a
+    time, then 2, then 1."""
+    nb = k // 32
+    for g in range(r0, r1, 16):
+        t = 0
+        while t + 4 <= n:
+            _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, 4, out, col + g)
+            t += 4
+        if t + 2 <= n:
+            _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, 2, out, col + g)
+            t += 2
+        if t < n:
+            _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, 1, out, col + g)
+
+
+@njit(fastmath=True, inline="always")
 def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, dm_at, nib,
             wide):
     nb = k // 256
@@ -486,7 +586,13 @@ def _rows_float(w, rb, r0, r1, k, n, x, out, col, load):
 def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
     """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
     type is dispatched once per call, outside the row loop."""
-    if qtype == Q4_0:
+    if qtype == Q4_0X16:
+        _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, Q4_0X16)
+    elif qtype == Q4_1X16:
+        _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, Q4_1X16)
+    elif qtype == Q8_0X16:
+        _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, Q8_0X16)
+    elif qtype == Q4_0:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, _NB_Q4_0, False)
     elif qtype == Q4_1:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, _NB_Q4_1, True)
@@ -580,6 +686,11 @@ def _dequant_row(qtype, w, ro, k, dst, at):
         _deq_float(w, ro, k, dst, at, _load_f16)
     elif qtype == BF16:
         _deq_float(w, ro, k, dst, at, _load_bf16)
+    elif qtype > X16:
+        rb = k // 32 * x16_geometry(qtype)[3]
+        for b in range(k // 32):
+            q, off, d, m = x16_block(w, qtype, rb, ro // rb, b)
+            st(dst, at + 32 * b, vadd(vmul(cvt(vsub(cvt(q, np.int16), off), np.float32), d), m))
     else:
         _each_block(qtype, _deq_32, _deq_k, (w, ro, k, dst, at))
 
@@ -635,7 +746,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     _prologue(x, pre, pre_w, eps, xa)
     m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
     fam = 0 if (qtype == F32 or qtype == F16 or qtype == BF16) else (
-        256 if (qtype >= Q2_K and qtype <= Q6_K) or qtype == IQ4_XS else 32)
+        256 if (qtype >= Q2_K and qtype <= Q6_K) or qtype == IQ4_XS else (16 if qtype > X16 else 32))
     bs = max(fam, 32)
     nb = k // bs
     # np.empty and plain loops: under parallel=True, np.zeros would be a parallel region of its own
@@ -648,6 +759,12 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         for t in range(n):
             sl = slice(t * nb, t * nb + nb)
             _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
+    if fam == 16:  # X16 types: activations in order, xoff = -off * each block's sum (bsum: halves)
+        off = 8 if qtype == Q4_0X16 else (128 if qtype == Q8_0X16 else 0)
+        for t in range(n):
+            for b in range(nb):
+                h = t * (k // 16) + 2 * b
+                xoff[t * nb + b] = -off * (i32(bsum[h]) + i32(bsum[h + 1]))
     if fam == 32 or qtype == IQ4_XS:
         off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (
             128 if qtype == Q8_0 or qtype == IQ4_NL or qtype == IQ4_XS else 0))
@@ -765,8 +882,8 @@ def _dequant_rows(w, qtype, rows, k, out):
 # ---------------------------------------------------------------------------------------------
 def _check_weight(w, qtype, what="weight") -> tuple[np.ndarray, int]:
     """w as a read-only uint8 (m, row_bytes) view, and k (weights per row)."""
-    qt = QUANT_TYPES.get(qtype)
-    if qtype not in SUPPORTED:
+    qt = QUANT_TYPES.get(qtype - X16 if qtype > X16 else qtype)  # a repacked layout: its type's bytes
+    if qtype not in SUPPORTED and qtype not in (Q4_0X16, Q4_1X16, Q8_0X16):
         raise UnsupportedModelError(f"qmatmul: tensor type {qt.name if qt else f'id {qtype}'} is not supported")
     if not isinstance(w, np.ndarray) or w.ndim != 2:
         raise EdgekvError(f"qmatmul: {what} must be a 2-D array, got {type(w).__name__} {getattr(w, 'shape', '')}")
@@ -822,6 +939,37 @@ class QWeight:
             _NO_ROWS[rb] = _readonly(np.zeros((0, rb), np.uint8))
         self.ws = tuple(parts) + (_NO_ROWS[rb],) * (3 - len(parts))
         self.qtype, self.k, self.m = qtype, k, sum(p.shape[0] for p in parts)
+
+
+def _aligned(shape: tuple[int, int]) -> np.ndarray:
+    """An empty uint8 array of shape whose data starts on a 64-byte boundary (whole-line loads)."""
+    n = shape[0] * shape[1]
+    buf = np.empty(n + 64, np.uint8)
+    o = -buf.ctypes.data % 64
+    return buf[o : o + n].reshape(shape)
+
+
+def packable(qtype: int, shapes) -> bool:
+    """Whether pack would repack a weight of this type whose parts have these (rows, row bytes)."""
+    return 64 in _VPDPBUSD and all(x16_fits(qtype, *sh) for sh in shapes if sh[0])
+
+
+def pack(qw: QWeight) -> QWeight:
+    """qw in this machine's faster decode layout where there is one, else qw itself: Q4_0, Q4_1
+    and Q8_0 with AVX-512 VNNI -> their X16 layout (layouts.py; every part whole groups of 16 rows
+    and pairs of blocks). The parts are new arrays: the caller's may be released."""
+    if not packable(qw.qtype, [p.shape for p in qw.ws]):
+        return qw
+    parts = []
+    for p in qw.ws:
+        if p.shape[0]:
+            d = _aligned(p.shape)
+            repack_x16(p, d, qw.qtype)
+            p = _readonly(d)
+        parts.append(p)
+    out = QWeight.__new__(QWeight)
+    out.ws, out.qtype, out.k, out.m = tuple(parts), X16 + qw.qtype, qw.k, qw.m
+    return out
 
 
 def _f32(a, shape, what: str) -> None:

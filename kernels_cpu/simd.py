@@ -426,6 +426,7 @@ mul_kept = _scalar_kept("fmul", "a * b for float32 scalars, rounded by itself (v
 add_kept = _scalar_kept("fadd", "a + b for float32 scalars in this order, rounded by itself")
 vand = _make_binop(None, "and_")
 vor = _make_binop(None, "or_")
+vxor = _make_binop(None, "xor")
 vshr = _make_binop(None, "lshr")  # logical shift: use on unsigned lanes
 vshl = _make_binop(None, "shl")
 

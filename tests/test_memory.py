@@ -291,5 +291,5 @@ def test_weights_copied_out_of_the_map_on_request(monkeypatch, tiny_models):
     rss_kb = next(int(line.split()[1]) for line in blocks[at:] if line.startswith("Rss:"))
     assert rss_kb * 1024 < 0.2 * llm.file.size
     monkeypatch.setenv("EDGEKV_WEIGHTS", "mapped")
-    with pytest.raises(EdgekvError, match="EDGEKV_WEIGHTS must be map or copy"):
+    with pytest.raises(EdgekvError, match="EDGEKV_WEIGHTS must be auto, map or copy"):
         LLM(path, n_ctx=64)

@@ -444,3 +444,71 @@ def test_vector_primitives(monkeypatch, isa):
     got = np.zeros(1 << 16, np.float32)
     halves(bits.view(np.uint8), got)
     np.testing.assert_array_equal(got, bits.view(np.float16).astype(np.float32))
+
+
+def _x16(monkeypatch, parts, name="Q4_0"):
+    """parts (rows of a GGUF type) as one weight repacked by qmatmul.pack (on any ISA: its kernels
+    take the vector layer's fallbacks where AVX-512 VNNI is missing)."""
+    monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test", **qm._VPDPBUSD})
+    qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
+    packed = qm.pack(qw)
+    assert packed.qtype == layouts.X16 + qw.qtype and packed.m == qw.m and packed.k == qw.k
+    return qw, packed
+
+
+def _run(qw, x, out, col=0):
+    return qm.run(qw, x, out, col, qm.PRE_NONE, qm._NONE1, 0.0, qm._NONE2, qm._NONE1)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_repacked_x16(monkeypatch, name):
+    """Q4_0, Q4_1, Q8_0 repacked into 16 interleaved rows (decode, prefill, row dequantization)
+    against gguf.quants' dequantization times the kernels' int8 activations: fused parts of 48, 16
+    and 64 rows, k of 2, 18 and 32 blocks, every decode token count (each token with the bits it
+    has alone: tiles of 4, 2, 1 tokens), and prefill counts that leave partial tiles (16 .. 513)."""
+    rng = np.random.default_rng(23)
+    for k in (64, 576, 1024):
+        parts = [random_raw(name, m, k, rng) for m in (48, 16, 64)]
+        dense = np.concatenate([reference(p, name) for p in parts])
+        qw, packed = _x16(monkeypatch, parts, name)
+        rows = np.array([0, 15, 16, 47, 48, 63, 64, 127])
+        np.testing.assert_array_equal(qm.dequantize_rows(np.concatenate(packed.ws[:3]), packed.qtype, rows),
+                                      qm.dequantize_rows(np.concatenate(parts), qw.qtype, rows))
+        x = rng.standard_normal((513, k), dtype=np.float32)
+        alone = np.concatenate([_run(packed, x[t : t + 1], np.empty((1, qw.m), np.float32)) for t in range(qm.SMALL_N)])
+        for n in list(range(1, qm.SMALL_N + 1)) + [16, 64, 513]:
+            out = np.full((n, qw.m + 3), np.nan, np.float32)
+            _run(packed, x[:n], out, 3)
+            assert np.isnan(out[:, :3]).all()
+            assert rel_err(out[:, 3:], int8_activations(x[:n], name) @ dense.T) < 1e-5, (k, n)
+            if n <= qm.SMALL_N:
+                np.testing.assert_array_equal(out[:, 3:], alone[:n], err_msg=f"k={k} n={n}")
+
+
+def test_q4_0_repacked_fused_steps(monkeypatch):
+    """The decode call's norm before and residual after on a repacked weight: the plain Q4_0 path's
+    result to float rounding."""
+    rng = np.random.default_rng(24)
+    k = 256
+    qw, packed = _x16(monkeypatch, [random_raw("Q4_0", 32, k, rng)])
+    x = rng.standard_normal((3, k), dtype=np.float32)
+    nw = rng.standard_normal(k, dtype=np.float32)
+    a = rng.standard_normal((3, 32), dtype=np.float32)
+    b = a.copy()
+    qm.run(qw, x, np.empty((3, 32), np.float32), 0, qm.PRE_NORM, nw, 1e-6, a, qm._NONE1)
+    qm.run(packed, x, np.empty((3, 32), np.float32), 0, qm.PRE_NORM, nw, 1e-6, b, qm._NONE1)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_q4_0_repack_only_whole_groups(monkeypatch):
+    """pack leaves a weight as it is where the layout does not fit (rows not whole groups of 16, an
+    odd number of blocks, a type without one) or without AVX-512 VNNI."""
+    rng = np.random.default_rng(25)
+    monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test"})
+    for parts, name in (([random_raw("Q4_0", 16, 64, rng), random_raw("Q4_0", 8, 64, rng)], "Q4_0"),
+                        ([random_raw("Q4_1", 32, 96, rng)], "Q4_1"), ([random_raw("Q4_K", 32, 256, rng)], "Q4_K")):
+        qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
+        assert qm.pack(qw) is qw
+    monkeypatch.setattr(qm, "_VPDPBUSD", {32: "test"})
+    qw = qm.QWeight(random_raw("Q4_0", 32, 64, rng), BY_NAME["Q4_0"].id)
+    assert qm.pack(qw) is qw

@@ -1,10 +1,13 @@
 """The CPU backend: the numba kernels of kernels_cpu/ behind the backend interface.
 
-Weights stay as raw GGUF blocks, never dequantized; by default in the memory map, never copied.
-With EDGEKV_WEIGHTS=copy the matrices are copied once, at load, to anonymous memory (and their
-pages of the map released, so that the process holds one copy): decode read them 6-12% faster
-there (7B Q4_0: 5.4-5.7 -> 6.0-6.3 tok/s on a 2-core Xeon VM), as llama.cpp reads the weights
-it repacks. Opt-in: the copy cannot be paged out and re-read under memory pressure as the map can.
+Weights stay as quantized GGUF blocks, never dequantized; in the memory map, except where a
+layout of the same bytes is faster: with AVX-512 VNNI, Q4_0 matrices are repacked at load into
+16 interleaved rows (qmatmul.pack; kernels_cpu/layouts.py), into anonymous memory, their pages
+of the map released so that the process holds one copy (as llama.cpp repacks Q4_0). That layout
+decodes several tokens for little more than one (batched decode). EDGEKV_WEIGHTS=map keeps every
+matrix in the map (it can be paged out and re-read under memory pressure; a copy cannot);
+EDGEKV_WEIGHTS=copy copies every matrix to anonymous memory: decode read them 6-12% faster there
+(7B Q4_0: 5.4-5.7 -> 6.0-6.3 tok/s on a 2-core Xeon VM).
 """
 from __future__ import annotations
 
@@ -135,11 +138,12 @@ class CPUBackend(AttentionStep):
         self._local = threading.local()  # numba's thread count belongs to the calling thread
         self.ops, self.qm, self.kvq, self.blk, self.ev_kernels = ops, qmatmul, kvquant, block, evict
         self.batch_rows = qmatmul.SMALL_N  # the decode kernel's rows: each computed as if alone (LLM.forward_batch)
-        mode = os.environ.get("EDGEKV_WEIGHTS", "map")
-        if mode not in ("map", "copy"):
+        mode = os.environ.get("EDGEKV_WEIGHTS", "auto")
+        if mode not in ("auto", "map", "copy"):
             from ..errors import EdgekvError
-            raise EdgekvError(f"EDGEKV_WEIGHTS must be map or copy, not {mode!r}")
+            raise EdgekvError(f"EDGEKV_WEIGHTS must be auto, map or copy, not {mode!r}")
         self.copy_weights = mode == "copy"
+        self.repack = mode != "map"  # Q4_0 in the decode kernels' interleaved layout (qmatmul.pack)
 
     # -- threads ---------------------------------------------------------------------
     def step(self, tokens: int) -> "_Step":
@@ -160,10 +164,21 @@ class CPUBackend(AttentionStep):
     def prepare(self, t: Tensor):
         """The weight's memory-mapped blocks (or their copy: EDGEKV_WEIGHTS=copy), checked once
         here (qmatmul.QWeight) so that the per-token calls skip the checks."""
-        return self.qm.QWeight(self._raw(t), t.qtype)
+        return self._packed([t], self.qm.QWeight(self._raw(t), t.qtype))
 
     def _raw(self, t: Tensor) -> np.ndarray:
         return _resident(t.raw) if self.copy_weights else t.raw
+
+    def _packed(self, ts: list[Tensor], qw):
+        """qw repacked for this machine's decode kernels where that is faster (qmatmul.pack), the
+        tensors' pages of the map then given back: the process holds the one repacked copy."""
+        if not self.repack:
+            return qw
+        out = self.qm.pack(qw)
+        if out is not qw and not self.copy_weights:
+            for t in ts:
+                _release(t.raw)
+        return out
 
     def fuse(self, ts: list[Tensor]):
         """Same-type matrices on one input (QKV, gate+up) go to qmatmul as one tuple: one
@@ -176,7 +191,7 @@ class CPUBackend(AttentionStep):
                 parts[-1].append(t)
             else:
                 parts.append([t])
-        runs = tuple(self.qm.QWeight(tuple(self._raw(t) for t in g), g[0].qtype) for g in parts)
+        runs = tuple(self._packed(g, self.qm.QWeight(tuple(self._raw(t) for t in g), g[0].qtype)) for g in parts)
         return runs[0] if len(runs) == 1 else runs
 
     def decoder_block(self, *, rope: Rope, **parts):
