@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
-from .layouts import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, Q4_0X16, Q4_1X16, Q8_0X16, _each_block, x16_geometry, _tile_at, _tiles
+from .layouts import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, _each_block, x16_geometry, _tile_at, _tiles
 from .simd import at, cat, cvt, dot4acc, fma, h2f, lane, ld, shuffler, splat, st, vand, view, vmul, vshr, vxor
 
 _R = 32  # rows per tile: two vectors of 16 int32 lanes
@@ -32,13 +32,12 @@ f32, i32 = np.float32, np.int32
 
 @njit(inline="always")
 def _type_info(qtype):
-    """(quant offset, has a min term, sub-block size) of a quantized type."""
-    if qtype == Q4_0 or qtype == Q4_0X16:
+    """(quant offset, has a min term, sub-block size) of a quantized type (an X16 layout's: its
+    GGUF type's)."""
+    if qtype > X16:
+        qtype -= X16
+    if qtype == Q4_0:
         return 8, False, 32
-    if qtype == Q8_0X16:
-        return 128, False, 32
-    if qtype == Q4_1X16:
-        return 0, True, 32
     if qtype == Q5_0:
         return 16, False, 32
     if qtype == Q8_0 or qtype == IQ4_NL:

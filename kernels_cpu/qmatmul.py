@@ -44,7 +44,7 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles,
                       X16, Q4_0X16, Q4_1X16, Q8_0X16, repack_x16, x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
-from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, fma, half, hmax, hsum, lane, ld, ld_f16, madd,
+from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, fma, hmax, hsum, lane, ld, ld_f16, madd,
                    madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax, vmul, vmul_kept,
                    vrint, vsub, h2f, vand, view, vshr, vxor, word)
 
@@ -55,12 +55,19 @@ _FLOAT_TYPES = qt.FLOAT_TYPES
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
 _PF = 4096  # decode: bytes of weights prefetched ahead (1024 streamed at 0.89x of 4096 in a 7B model)
-_PF_X16 = 8192  # the same for the Q4_0X16 layout (7B-sized matvecs, 2 threads: 4096 streamed at ~0.85x)
+_PF_X16 = 8192  # the same for the X16 layouts (7B-sized matvecs, 2 threads: 4096 streamed at ~0.85x)
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
 _TOK = 32
 
 f32, i16, i32 = np.float32, np.int16, np.int32
+
+# Compile time: numba's own inlining (inline="always") copies and retypes a function's IR at each
+# call site, and a decode row function inlines the same small dot step dozens of times (tokens x
+# halves x tile sizes x types). The leaf steps called that often (_x16_token, _x16_half,
+# _group_32, _block_32) are plain functions: compiled once, inlined by LLVM all the same (no
+# slower in bench/kernels-style timings); _dot_rows' numba time went from 257 s to 103 s
+# (bench/RESULTS.md). Steps whose code depends on a constant argument's value stay inline.
 
 
 # Prefill on integer products where vpdpbusd exists; without it float FMAs are faster than the
@@ -323,7 +330,7 @@ def _fetch_32(w, o, quad, nbytes):
     return quad(w, o)
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True)
 def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min):
     """One token's share of group g (its 4 blocks unpacked: lo, hi, d, m) added to acc, am."""
     xg = xo + 128 * g
@@ -339,7 +346,7 @@ def _min_32(m, xsum, bo, g, am):
     return fma(m, _SPREAD4(ld(xsum, bo + 4 * g, 4)), am)
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True)
 def _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins):
     """One token's share of a last block b (past the whole groups) added to tail, mins."""
     p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
@@ -467,7 +474,7 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nby
             out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min)
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True)
 def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min):
     """One token's share of a block of 16 repacked rows (v: 8 vectors of their quants as unsigned
     bytes, v[s] at k = 4s .. 4s+3 of the block; ds, ms: 16 scales and mins) added to f: two
@@ -504,7 +511,7 @@ def _hi4(v):
     return vand(view(vshr(view(v, np.uint32), 4), np.uint8), 15)
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True)
 def _x16_half(w, o, h, qb, has_min, xq, k, xd, xsum, xoff, t, nb, b, nt, f0, f1, f2, f3):
     """Block b (= h of the unit at byte o) of the group for the tile's nt tokens."""
     sc = o + 32 * qb + 32 * h
@@ -583,16 +590,18 @@ def _rows_float(w, rb, r0, r1, k, n, x, out, col, load):
 
 
 @njit(fastmath=True)
-def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
-    """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
-    type is dispatched once per call, outside the row loop."""
+def _dot_rows_x16(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
     if qtype == Q4_0X16:
         _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, Q4_0X16)
     elif qtype == Q4_1X16:
         _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, Q4_1X16)
-    elif qtype == Q8_0X16:
+    else:
         _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, Q8_0X16)
-    elif qtype == Q4_0:
+
+
+@njit(fastmath=True)
+def _dot_rows_32(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
+    if qtype == Q4_0:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, _NB_Q4_0, False)
     elif qtype == Q4_1:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, _NB_Q4_1, True)
@@ -602,7 +611,13 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, _NB_Q5_1, True)
     elif qtype == Q8_0:
         _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, _NB_Q8_0, False)
-    elif qtype == Q2_K:
+    else:
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, _NB_IQ4_NL, False)
+
+
+@njit(fastmath=True)
+def _dot_rows_k(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
+    if qtype == Q2_K:
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, _NB_Q2_K, _OFF_Q2_K, True, 80,
                 False, False)
     elif qtype == Q3_K:
@@ -617,17 +632,33 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     elif qtype == Q6_K:
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, _NB_Q6_K, _OFF_Q6_K, False, 0,
                 False, False)
-    elif qtype == IQ4_NL:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, _NB_IQ4_NL, False)
-    elif qtype == IQ4_XS:
+    else:
         _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, _NB_IQ4_XS, _OFF_IQ4_XS,
                 False, 0, False, True)
-    elif qtype == F32:
+
+
+@njit(fastmath=True)
+def _dot_rows_float(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
+    if qtype == F32:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f32)
     elif qtype == F16:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_f16)
     else:
         _rows_float(w, rb, r0, r1, k, n, x, out, col, _load_bf16)
+
+@njit(fastmath=True)
+def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
+    """out[:n, col + r0 : col + r1] for rows r0..r1-1 (at byte r * rb of w) and the n tokens; the
+    type is dispatched once per call, outside the row loop, to one function per family (LLVM's
+    time grows faster than a function's size: apart they compile in a fraction of one's time)."""
+    if qtype > X16:
+        _dot_rows_x16(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
+    elif qtype == Q4_0 or qtype == Q4_1 or qtype == Q5_0 or qtype == Q5_1 or qtype == Q8_0 or qtype == IQ4_NL:
+        _dot_rows_32(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
+    elif qtype == F32 or qtype == F16 or qtype == BF16:
+        _dot_rows_float(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
+    else:
+        _dot_rows_k(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -760,14 +791,13 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
             sl = slice(t * nb, t * nb + nb)
             _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
     if fam == 16:  # X16 types: activations in order, xoff = -off * each block's sum (bsum: halves)
-        off = 8 if qtype == Q4_0X16 else (128 if qtype == Q8_0X16 else 0)
+        off = igemm._type_info(qtype)[0]
         for t in range(n):
             for b in range(nb):
                 h = t * (k // 16) + 2 * b
                 xoff[t * nb + b] = -off * (i32(bsum[h]) + i32(bsum[h + 1]))
     if fam == 32 or qtype == IQ4_XS:
-        off = 8 if qtype == Q4_0 else (16 if qtype == Q5_0 else (
-            128 if qtype == Q8_0 or qtype == IQ4_NL or qtype == IQ4_XS else 0))
+        off = igemm._type_info(qtype)[0]
         for t in range(n):
             _acts_quad(xq, off, k, t, xoff)
     if qtype == Q4_K or qtype == Q5_K:
