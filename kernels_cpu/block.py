@@ -1,4 +1,6 @@
-"""One token through one pre-norm decoder block, in a single call.
+"""One token through one pre-norm decoder block, in a single call; or the next token of each of
+several sequences (batched decode: the matmuls read each weight once for all of them, each token
+attends over its own sequence's cache).
 
 At 135M parameters a decode token is ~7 ms for 30 blocks; made as six kernel calls a block,
 each call's dispatch and the Python around it cost several microseconds while the work behind
@@ -35,46 +37,57 @@ _NO_RUN = (_NO_W, _NO_W, _NO_W)
 
 
 @njit(cache=True, error_model="numpy")
-def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, at, par, softcap):
+def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layers, ats, par, softcap):
+    # x (n, d): token t belongs to a sequence of its own, cache layers[t] at ats[t] (the tuples may
+    # be longer than n: decode_block pads them so that few tuple lengths compile)
     wqkv, tqkv, mqkv, wo, to, wgu, tgu, mgu, wdown, tdown = W
     attn_norm, qkv_bias, q_norm, k_norm, post_attn, ffn_norm, post_ffw = N
     H, Hkv, hd, act = dims
-    inv_freq, neox, n_rope_heads, shift, mag = rope
+    inv_freq, neox, n_rope_heads, mag = rope
+    n = x.shape[0]
     e1 = np.empty(0, np.float32)  # absent pre_w / post_w / residual (module globals would be read-only)
     e2 = np.empty((0, 0), np.float32)
     # constants reach _qmatvec as plain int64: a literal argument would compile another _qmatvec
     norm, plain, zero = np.int64(PRE_NORM), np.int64(PRE_NONE), np.int64(0)
-    # qkv, in runs of one type side by side
-    qkv = np.empty((1, (H + 2 * Hkv) * hd), np.float32)
+    # qkv, in runs of one type side by side; each token's rows the bits it has alone (qmatmul)
+    qkv = np.empty((n, (H + 2 * Hkv) * hd), np.float32)
     col = zero
     for r in range(3):
         if mqkv[r]:
             _qmatvec(x, wqkv[r], tqkv[r], qkv, col, norm, attn_norm, eps, e2, e1)
             col += mqkv[r]
     if qkv_bias.shape[0]:
-        for c in range(qkv.shape[1]):
-            qkv[0, c] += qkv_bias[c]
-    qkv3 = qkv.reshape(1, H + 2 * Hkv, hd)  # (1, heads, hd) view
-    # ops' own compiled functions, not their inline rows: inlined here they would take this
-    # function's float flags (no fastmath) and differ from the op-by-op path in the last bit
-    if q_norm.shape[0]:  # per head, in place: rows of the (heads, hd) view
-        heads = qkv3[0]
-        _rmsnorm_serial(heads[:H], q_norm, eps, heads[:H])
-        _rmsnorm_serial(heads[H : H + Hkv], k_norm, eps, heads[H : H + Hkv])
+        for t in range(n):
+            for c in range(qkv.shape[1]):
+                qkv[t, c] += qkv_bias[c]
+    qkv3 = qkv.reshape(n, H + 2 * Hkv, hd)  # (n, heads, hd) view
     cs = np.empty(inv_freq.shape[0], np.float32)
     sn = np.empty(inv_freq.shape[0], np.float32)
-    _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, 0, cs, sn, mag)  # q and k: the first H + Hkv heads
-    # copies, not slice assignments: each of those compiles numba's shape-mismatch message (~1 s cold)
-    q = qkv3[:, :H].copy()  # (1, H, hd)
-    k = qkv3[:, H : H + Hkv].copy()
-    v = qkv3[:, H + Hkv :].copy()
-    a = np.empty((1, H, hd), np.float32)
-    _decode_core(layer, q, k, v, q_pos, at, (inv_freq, neox, shift), scale, par, a, softcap)
+    a = np.empty((n, H, hd), np.float32)
+    for t in range(n):
+        # ops' own compiled functions, not their inline rows: inlined here they would take this
+        # function's float flags (no fastmath) and differ from the op-by-op path in the last bit
+        if q_norm.shape[0]:  # per head, in place: rows of the (heads, hd) view
+            heads = qkv3[t]
+            _rmsnorm_serial(heads[:H], q_norm, eps, heads[:H])
+            _rmsnorm_serial(heads[H : H + Hkv], k_norm, eps, heads[H : H + Hkv])
+        _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, t, cs, sn, mag)  # q and k: the first H + Hkv heads
+        # copies, not slice assignments: each of those compiles numba's shape-mismatch message (~1 s cold)
+        q = qkv3[t : t + 1, :H].copy()  # (1, H, hd)
+        k = qkv3[t : t + 1, H : H + Hkv].copy()
+        v = qkv3[t : t + 1, H + Hkv :].copy()
+        slot, n_ring, e0, row, shift = ats[t]
+        a1 = np.empty((1, H, hd), np.float32)
+        _decode_core(layers[t], q, k, v, q_pos[t : t + 1].copy(), (slot, n_ring, e0, row), (inv_freq, neox, shift),
+                     scale, par, a1, softcap)
+        for h in range(H):
+            for i in range(hd):
+                a[t, h, i] = a1[0, h, i]
     if res_scale != 1:
         a *= res_scale
-    o = np.empty((1, x.shape[1]), np.float32)
-    _qmatvec(a.reshape(1, H * hd), wo, to, o, zero, plain, e1, eps, x, post_attn)  # x += post(o)
-    gu = np.empty((1, mgu[0] + mgu[1] + mgu[2]), np.float32)
+    o = np.empty((n, x.shape[1]), np.float32)
+    _qmatvec(a.reshape(n, H * hd), wo, to, o, zero, plain, e1, eps, x, post_attn)  # x += post(o)
+    gu = np.empty((n, mgu[0] + mgu[1] + mgu[2]), np.float32)
     col = zero
     for r in range(3):
         if mgu[r]:
@@ -84,8 +97,9 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layer, at, pa
         _qmatvec(gu, wdown, tdown, o, zero, act, e1, eps, x, post_ffw)  # x += post(down(act(g) * u))
     else:  # as the model's ops do it: h = silu(g) * u, h *= r, x += down(h)
         nf = gu.shape[1] // 2
-        h = np.empty((1, nf), np.float32)
-        _silu_mul_serial(gu[0, :nf], gu[0, nf:], h[0])
+        h = np.empty((n, nf), np.float32)
+        for t in range(n):
+            _silu_mul_serial(gu[t, :nf], gu[t, nf:], h[t])
         h *= res_scale
         _qmatvec(h, wdown, tdown, o, zero, plain, e1, eps, x, post_ffw)
 
@@ -140,15 +154,21 @@ def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_at
         (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv, float(rope_mag))
 
 
-def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layer: tuple, at: tuple, shift: int,
+def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layers: list, ats: list,
                  threads: int | None = None) -> np.ndarray:
-    """x (1, d) float32, C-contiguous: the residual stream of one token at q_pos (1,) int64, updated
-    in place through the block `pack` (block_pack) over a layer's cache (kvquant.kv_decode_layer;
-    at and shift from the cache's plan, as kv_decode takes them). Unchecked: a backend's decode
-    step. threads: the calling thread's numba count, where the caller knows it (numba's
-    get_num_threads costs ~1.4 us, a layer's whole cache bookkeeping ~1). Returns x; the caller's
-    cache commits the plan."""
+    """x (n, d) float32, C-contiguous: the residual streams of n tokens at q_pos (n,) int64, token t
+    of a sequence of its own over layers[t], a layer's cache (kvquant.kv_decode_layer; all of one
+    numba type), placed at ats[t] = (slot, n_ring, exact_lo, exact_row, shift) (the cache's plan:
+    Plan.one_token and Plan.shift), updated in place through the block `pack` (block_pack); each
+    token gets the bits it gets alone. Unchecked: a backend's decode step. threads: the calling
+    thread's numba count, where the caller knows it (numba's get_num_threads costs ~1.4 us, a
+    layer's whole cache bookkeeping ~1). Returns x; the callers' caches commit the plans."""
     W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads, mag) = pack
-    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, shift, mag), layer, at,
+    pad = _PAD[len(layers)] - len(layers)  # tuple lengths 1, 2, 4, 8, 16: one compile each
+    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, mag),
+                tuple(layers) + (layers[-1],) * pad, tuple(ats) + (ats[-1],) * pad,
                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, threads or get_num_threads()), softcap)
     return x
+
+
+_PAD = [0, 1, 2, 4, 4] + [8] * 4 + [16] * 8  # a batch of n tokens -> its tuples' length

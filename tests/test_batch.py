@@ -210,3 +210,35 @@ def test_generate_many_cancelled_like_generate():
     assert [(c.text, c.tokens, c.finish_reason) for c in got] == [
         solo(llm, [1, 2, 3], max_tokens=8, cancel=stop), solo(llm, [4], max_tokens=8, cancel=stop)]
     assert {c.finish_reason for c in got} == {"cancelled"}
+
+
+def test_a_batch_runs_through_the_fused_block_whatever_its_caches_kinds(monkeypatch):
+    # one fused call a layer for the whole batch, cache kinds and eviction policies mixed (the
+    # kernel takes every kind's arrays as one numba type); a batch whose cache arrays type
+    # differently (here: said to) runs a fused call per sequence. The same bits as each sequence
+    # alone, every way.
+    llm = llm_for("llama", "cpu", "int8", 32)
+    be = llm.backend
+    sizes, inner = [], be.blk.decode_block
+
+    def decode_block(pack, x, pos, layers, ats, threads=None):
+        sizes.append(len(layers))
+        return inner(pack, x, pos, layers, ats, threads)
+
+    monkeypatch.setattr(be.blk, "decode_block", decode_block)
+    mixed = [("int8", "window"), ("f16", "h2o"), ("int4", "window")]
+    for specs, fused in (([("int8", "window")] * 3, True), (mixed, True), (mixed, False)):
+        solo = [llm.new_cache(k, evict=e) for k, e in specs]
+        batch = [llm.new_cache(k, evict=e) for k, e in specs]
+        for j, (a, b) in enumerate(zip(solo, batch)):
+            llm.forward([1, 4 + j, 9], a, 0)
+            llm.forward([1, 4 + j, 9], b, 0)
+        if not fused:
+            for lk in batch[1].layers:
+                lk.backend_state = (be._layer(lk)[0], object())  # another type than the others'
+        for step in range(3):
+            want = [llm.forward([20 + j + step], c, 3 + step)[-1] for j, c in enumerate(solo)]
+            sizes.clear()
+            got = llm.forward_batch([([20 + j + step], c, 3 + step) for j, c in enumerate(batch)])
+            assert all(np.array_equal(a, b) for a, b in zip(want, got)), (specs, step)
+            assert sizes == ([3] * llm.cfg.n_layer if fused else [1] * 3 * llm.cfg.n_layer), (specs, fused)

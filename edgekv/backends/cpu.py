@@ -1,9 +1,9 @@
 """The CPU backend: the numba kernels of kernels_cpu/ behind the backend interface.
 
 Weights stay as quantized GGUF blocks, never dequantized; in the memory map, except where a
-layout of the same bytes is faster: with AVX-512 VNNI, Q4_0 matrices are repacked at load into
+layout of the same bytes is faster: with AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 matrices are repacked at load into
 16 interleaved rows (qmatmul.pack; kernels_cpu/layouts.py), into anonymous memory, their pages
-of the map released so that the process holds one copy (as llama.cpp repacks Q4_0). That layout
+of the map released so that the process holds one copy (as llama.cpp repacks Q4_0 online). That layout
 decodes several tokens for little more than one (batched decode). EDGEKV_WEIGHTS=map keeps every
 matrix in the map (it can be paged out and re-read under memory pressure; a copy cannot);
 EDGEKV_WEIGHTS=copy copies every matrix to anonymous memory: decode read them 6-12% faster there
@@ -23,7 +23,7 @@ import mmap
 import numpy as np
 
 from ..gguf_file import Tensor
-from ..kvcache import LayerKV, Plan
+from ..kvcache import BatchLayer, LayerKV, Plan
 from ..rope import Rope
 from .attention import AttentionStep
 from .threads import RUNNING, ThreadTuner
@@ -143,7 +143,7 @@ class CPUBackend(AttentionStep):
             from ..errors import EdgekvError
             raise EdgekvError(f"EDGEKV_WEIGHTS must be auto, map or copy, not {mode!r}")
         self.copy_weights = mode == "copy"
-        self.repack = mode != "map"  # Q4_0 in the decode kernels' interleaved layout (qmatmul.pack)
+        self.repack = mode != "map"  # Q4_0/Q4_1/Q8_0 in the decode kernels' interleaved layout (qmatmul.pack)
 
     # -- threads ---------------------------------------------------------------------
     def step(self, tokens: int) -> "_Step":
@@ -198,23 +198,40 @@ class CPUBackend(AttentionStep):
         """A whole block packed for run_block (kernels_cpu.block: one call per decode token)."""
         return self.blk.block_pack(rope_freqs=rope.freqs, rope_neox=rope.neox, rope_mag=rope.attn_factor, **parts)
 
-    def run_block(self, pack, x: np.ndarray, pos: np.ndarray, kv: LayerKV) -> bool:
-        """One token through a block in place of the model's op-by-op code; False (nothing done)
-        for a batch, or an empty cache (an int ring calibrates on its first batch)."""
-        if pos.shape[0] != 1 or not kv.n_written or x.dtype != np.float32 or not x.flags.c_contiguous:
+    def run_block(self, pack, x: np.ndarray, pos: np.ndarray, kv) -> bool:
+        """One token through a block in place of the model's op-by-op code, or one token of each
+        sequence of a batch (kv a BatchLayer: batched decode, the weights read once for all);
+        False (nothing done) for a prompt, or an empty cache (an int ring calibrates on its
+        first batch)."""
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
             return False
-        plan = kv.plan(pos)
-        kv.place(plan)
-        self.blk.decode_block(pack, x, pos, self._layer(kv), plan.one_token, plan.shift, _threads())
-        kv.commit(plan)
+        layers = kv.layers if isinstance(kv, BatchLayer) else (kv,)
+        if pos.shape[0] != len(layers) or not all(lk.n_written for lk in layers):
+            return False
+        plans = [lk.plan(pos[j : j + 1]) for j, lk in enumerate(layers)]  # a plan may resize (lend): then pack
+        for lk, plan in zip(layers, plans):
+            lk.place(plan)
+        states = [self._layer(lk) for lk in layers]
+        ats = [plan.one_token + (plan.shift,) for plan in plans]
+        if all(s[1] is states[0][1] for s in states):  # the kernel takes one numba type of cache (every kind's)
+            self.blk.decode_block(pack, x, pos, [s[0] for s in states], ats, _threads())
+        else:  # never seen: each token alone, the weights read once per sequence
+            for j, (s, at) in enumerate(zip(states, ats)):
+                self.blk.decode_block(pack, x[j : j + 1], pos[j : j + 1], [s[0]], [at], _threads())
+        for lk, plan in zip(layers, plans):
+            lk.commit(plan)
         return True
 
     def _layer(self, kv: LayerKV) -> tuple:
-        """The cache's arrays packed for the one-call decode kernels, once per cache (kvquant.kv_decode_layer)."""
+        """The cache's arrays packed for the one-call decode kernels (kvquant.kv_decode_layer) and
+        their numba type, once per cache."""
         if kv.backend_state is None:
-            kv.backend_state = self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink,
-                                                        kv.span, kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu,
-                                                        kv.kmul, None if kv.evictor is None else kv.evictor.kernel)
+            from numba import typeof
+
+            state = self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink, kv.span,
+                                             kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu, kv.kmul,
+                                             None if kv.evictor is None else kv.evictor.kernel)
+            kv.backend_state = state, typeof(state)
         return kv.backend_state
 
     # -- ops -------------------------------------------------------------------------
@@ -265,7 +282,7 @@ class CPUBackend(AttentionStep):
     # activation; at one token the checks and numpy glue used to cost more than the attention.
     def decode(self, kv: LayerKV, plan: Plan, q, q_pos, k, v, scale: float, rope: Rope, softcap: float):
         q = np.ascontiguousarray(q)
-        return self.kvq.kv_decode(self._layer(kv), q, np.ascontiguousarray(k, dtype=np.float32),
+        return self.kvq.kv_decode(self._layer(kv)[0], q, np.ascontiguousarray(k, dtype=np.float32),
                                   np.ascontiguousarray(v, dtype=np.float32), q_pos, plan.one_token,
                                   (rope.freqs, rope.neox, plan.shift), scale, np.empty_like(q), softcap, _threads())
 
