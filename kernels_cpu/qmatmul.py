@@ -64,10 +64,10 @@ f32, i16, i32 = np.float32, np.int16, np.int32
 
 # Compile time: numba's own inlining (inline="always") copies and retypes a function's IR at each
 # call site, and a decode row function inlines the same small dot step dozens of times (tokens x
-# halves x tile sizes x types). The leaf steps called that often (_x16_token, _x16_half,
-# _group_32, _block_32) are plain functions: compiled once, inlined by LLVM all the same (no
-# slower in bench/kernels-style timings); _dot_rows' numba time went from 257 s to 103 s
-# (bench/RESULTS.md). Steps whose code depends on a constant argument's value stay inline.
+# halves x tile sizes x types). The X16 rows' leaf steps (_x16_token, _x16_half) are plain
+# functions: compiled once, inlined by LLVM all the same (no slower in bench/kernels-style
+# timings); _qmatvec's cold compile went from 257 s to 116 s (bench/RESULTS.md). The 32-element
+# steps stay inline: as plain functions (103 s) Q5_1's batched tokens lost their one-token bits.
 
 
 # Prefill on integer products where vpdpbusd exists; without it float FMAs are faster than the
@@ -330,7 +330,7 @@ def _fetch_32(w, o, quad, nbytes):
     return quad(w, o)
 
 
-@njit(fastmath=True)
+@njit(fastmath=True, inline="always")
 def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min):
     """One token's share of group g (its 4 blocks unpacked: lo, hi, d, m) added to acc, am."""
     xg = xo + 128 * g
@@ -346,7 +346,7 @@ def _min_32(m, xsum, bo, g, am):
     return fma(m, _SPREAD4(ld(xsum, bo + 4 * g, 4)), am)
 
 
-@njit(fastmath=True)
+@njit(fastmath=True, inline="always")
 def _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins):
     """One token's share of a last block b (past the whole groups) added to tail, mins."""
     p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
