@@ -102,6 +102,9 @@ def thread_rate(llm, size: int, steps: int, depth: int) -> float:
     first thread's first decode step to the last thread's last."""
     spans = [None] * size
     start = threading.Barrier(size)
+    # forward_batch's kernels ran on this (main) thread: its OpenMP pool goes, as generate's does
+    # when it ends, or every other thread's kernels would run slower (CPUBackend.release_threads)
+    getattr(llm.backend, "release_threads", lambda: None)()
 
     def work(j):
         prompt = [(7 * j + i) % 1000 + 1 for i in range(depth)]

@@ -189,8 +189,9 @@ class Batcher:
     first submits and drops out when its generate ends (`leave`). Each sequence's logits are
     those of its run alone (LLM.forward_batch), whatever else shares the pass."""
 
-    def __init__(self, gather_s: float = 0.002):
+    def __init__(self, gather_s: float = 0.002, release=None):
         self.gather_s = gather_s
+        self.release = release  # called after a pass that ran other threads' sequences (CPUBackend.release_threads)
         self._cv = threading.Condition()
         self._pending: dict[Sequence, Seq[int]] = {}  # insertion order: arrival order
         self._done: dict[Sequence, object] = {}  # logits, or the exception the pass raised
@@ -244,6 +245,8 @@ class Batcher:
                         outs = run(list(batch), list(batch.values()))
                     except Exception as e:  # every sequence of the pass was rolled back: each thread raises it
                         outs = [e] * len(batch)
+                    if others and self.release is not None:  # the next pass may be led by another thread
+                        self.release()
                     with self._cv:
                         self._done.update(zip(batch, outs))
             finally:
@@ -539,10 +542,14 @@ def submit(llm, seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]
 
 
 def leave(llm, seqs: list[Sequence]) -> None:
-    """These sequences' generation has ended (Batcher.leave)."""
+    """These sequences' generation has ended (Batcher.leave); this thread is done with kernels for
+    now (the backend's release_threads: another thread's passes then run at full speed)."""
     batcher = getattr(llm, "batcher", None)
     if batcher is not None:
         batcher.leave(seqs)
+    release = getattr(llm.backend, "release_threads", None)
+    if release is not None:
+        release()
 
 
 def usage(prompts: list[Stats], choices: list[Stats]) -> dict:

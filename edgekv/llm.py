@@ -62,12 +62,16 @@ class LLM:
         self.template = ChatTemplate.from_metadata(self.file.meta, self.file.meta.get("tokenizer.ggml.tokens", []),
                                                    tok.bos_id, tok.eos_id)
         self.stats = None  # generate.Stats of the last call
-        self.batcher = Batcher()  # forward passes of threads generating at once run as one batch
+        # forward passes of threads generating at once run as one batch
+        self.batcher = Batcher(release=getattr(self.backend, "release_threads", None))
         # What a saved session must match: the file's header (metadata + tensor table) and size.
         header = hashlib.sha256(memoryview(self.file._mmap)[: self.file.data_offset]).hexdigest()
         self.identity = dict(name=self.path.name, size=self.file.size, header_sha256=header)
         # prefixes already computed, in memory and (chat system prompts) on disk: edgekv.prompt_cache
         self.prompt_cache = _prompt_cache(self, prompt_cache_size, prompt_cache_memory) if prompt_cache else None
+        release = getattr(self.backend, "release_threads", None)
+        if release is not None:  # the loading thread's kernels (repacking) are done: its OpenMP pool goes
+            release()
 
     # -- caches ---------------------------------------------------------------------------
     def new_cache(self, kind: str | None = None, *, n_sink: int | None = None, evict: str | None = None) -> KVCache:

@@ -184,3 +184,31 @@ def test_decode_gives_the_same_bits_with_any_thread_count():
         steps += [llm.forward(ids[p : p + 1], cache, p)[-1] for p in range(690, 700)]
         outs.append(np.stack(steps))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_a_thread_done_with_kernels_gives_its_openmp_pool_back():
+    # the main thread's pool, freed (libgomp's pause), comes back at its next kernel with the same
+    # results; a thread generating after the loading thread released its pool sees the same text
+    import threading
+
+    import numba
+    import numpy as np
+
+    from conftest import model_path
+    from edgekv import LLM
+    from edgekv.backends import cpu
+
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    llm = LLM(model_path("smollm2"), n_ctx=64, prompt_cache=False)
+    want = llm.backend.rmsnorm(x, np.ones(64, np.float32), 1e-6)
+    llm.backend.release_threads()
+    if numba.threading_layer() == "omp":  # where the pool is libgomp's, its pause was found and works
+        assert cpu._GOMP and cpu._GOMP[0] is not None and cpu._GOMP[0](1) == 0
+    assert np.array_equal(llm.backend.rmsnorm(x, np.ones(64, np.float32), 1e-6), want)
+    alone = "".join(e.text for e in llm.generate("Hello", max_tokens=8, temperature=0.0))
+    got = []
+    t = threading.Thread(target=lambda: got.append("".join(e.text for e in llm.generate("Hello", max_tokens=8,
+                                                                                     temperature=0.0))))
+    t.start()
+    t.join()
+    assert got == [alone]

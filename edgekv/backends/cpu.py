@@ -88,6 +88,39 @@ def _init_numba(threads: int | None) -> int:
     return n
 
 
+_GOMP: list = []  # libgomp's omp_pause_resource_all once looked up ([None]: not loaded)
+
+
+def release_pool() -> None:
+    """Free the calling thread's OpenMP thread pool (its workers exit; its next parallel kernel
+    makes a new pool, ~0.1 ms). libgomp lets idle workers spin only while it manages no more
+    threads than there are CPUs; with the pools of two threads alive (the one that loaded the
+    model, a server's request thread, another leader of the scheduler's passes) each parallel
+    region wakes its workers through the kernel: decode kernels ran 1.5-2x slower called from a
+    second thread (bench/RESULTS.md). So a thread that is done with kernels for now gives its
+    pool back. Only where numba runs on GNU OpenMP; elsewhere nothing."""
+    if not _GOMP:
+        import numba
+
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel kernel has run yet: no pool to give back
+            return
+        fn = None
+        if layer == "omp":
+            try:
+                with open("/proc/self/maps") as f:
+                    path = next((ln.split()[-1] for ln in f if "libgomp" in ln and ln.split()[-1].startswith("/")), None)
+                if path:
+                    fn = ctypes.CDLL(path).omp_pause_resource_all
+                    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            except (OSError, AttributeError):  # no maps, or a libgomp older than OpenMP 5.0's pause
+                fn = None
+        _GOMP.append(fn)
+    if _GOMP[0] is not None:
+        _GOMP[0](1)  # omp_pause_soft: this thread's pool only; a no-op inside a parallel region
+
+
 # numba's workqueue threading layer (used when neither OpenMP nor TBB is installed) aborts the
 # process when two Python threads launch parallel kernels at once: forward passes then take turns
 # (CPUBackend.serial, held by generate.Sequence), in every backend of the process.
@@ -161,6 +194,10 @@ class CPUBackend(AttentionStep):
         return tuner.n if tuner is not None else self.threads
 
     # -- weights ---------------------------------------------------------------------
+    def release_threads(self) -> None:
+        """The calling thread is done with kernels for now: its OpenMP pool goes (release_pool)."""
+        release_pool()
+
     def prepare(self, t: Tensor):
         """The weight's memory-mapped blocks (or their copy: EDGEKV_WEIGHTS=copy), checked once
         here (qmatmul.QWeight) so that the per-token calls skip the checks."""
