@@ -242,7 +242,15 @@ class CPUBackend(AttentionStep):
         first batch)."""
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             return False
-        layers = kv.layers if isinstance(kv, BatchLayer) else (kv,)
+        if not isinstance(kv, BatchLayer):  # one token, the solo decode step: no lists on its hot path
+            if pos.shape[0] != 1 or not kv.n_written:
+                return False
+            plan = kv.plan(pos)  # a plan may resize (lend): then pack
+            kv.place(plan)
+            self.blk.decode_block(pack, x, pos, [self._layer(kv)[0]], [plan.one_token + (plan.shift,)], _threads())
+            kv.commit(plan)
+            return True
+        layers = kv.layers
         if pos.shape[0] != len(layers) or not all(lk.n_written for lk in layers):
             return False
         plans = [lk.plan(pos[j : j + 1]) for j, lk in enumerate(layers)]  # a plan may resize (lend): then pack
