@@ -22,8 +22,9 @@ import numpy as np
 from numba import njit, prange
 
 from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
-from .layouts import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, _each_block, x16_geometry, _tile_at, _tiles
-from .simd import at, cat, cvt, dot4acc, fma, h2f, lane, ld, shuffler, splat, st, vand, view, vmul, vshr, vxor
+from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, _K4D, _K4Q, _K4U, _each_block,
+                      k4x16_field, x16_geometry, _tile_at, _tiles)
+from .simd import at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, shuffler, splat, st, vand, view, vmul, vshr, vxor
 
 _R = 32  # rows per tile: two vectors of 16 int32 lanes
 _T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast: 27 of 32 zmm)
@@ -177,8 +178,36 @@ def _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn):
 
 
 @njit(fastmath=True)
+def _unpack_k4x16(w, rb, r0, nr, k, u, s, mn):
+    """Q4_KX16 rows as _unpack_k decodes Q4_K's: the nibbles split, the scales and mins as its."""
+    zu = splat(np.uint32(0), 16)
+    for h in range(_R // 16):
+        g = (r0 + 16 * h) * rb
+        live = 16 * h < nr
+        for sb in range(k // 256):
+            un = g + _K4U * sb
+            for j in range(8):  # sub-block j: chunk j // 2, low or high nibbles
+                b = 8 * sb + j
+                for i in range(8):
+                    v = vand(vshr(view(ld(w, un + _K4Q + 512 * (j // 2) + 64 * i, 64), np.uint32), 4 * (j % 2)),
+                             0x0F0F0F0F) if live else zu
+                    st(u, (8 * b + i) * _R + 16 * h, v)
+                for r in range(16):
+                    o = b * _R + 16 * h + r
+                    if live:
+                        sc, m = k4x16_field(w, un, r, j)
+                        s[o] = half(w, un + _K4D + 2 * r) * f32(sc)
+                        mn[o] = -half(w, un + _K4D + 32 + 2 * r) * f32(m)
+                    else:
+                        s[o], mn[o] = 0, 0
+
+
+@njit(fastmath=True)
 def _unpack(qtype, w, rb, r0, nr, k, u, s, mn, tmp):
     """The tile's rows decoded row by row into tmp (_R, k/4), then transposed into u."""
+    if qtype == Q4_KX16:
+        _unpack_k4x16(w, rb, r0, nr, k, u, s, mn)
+        return
     if qtype > X16:
         _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn)
         return

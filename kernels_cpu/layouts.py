@@ -457,8 +457,8 @@ def _each_block(qtype, on_32, on_k, a):
 
 
 # ---------------------------------------------------------------------------------------------
-# Q4_0, Q4_1 and Q8_0 repacked at load for the decode dots (not GGUF types; qmatmul.pack makes
-# them): 16 rows side by side, so that one vpdpbusd of 16 int32 lanes is 16 rows times 4
+# Q4_0, Q4_1 and Q8_0 (and Q4_K: below) repacked at load for the decode dots (not GGUF types;
+# qmatmul.pack makes them): 16 rows side by side, so that one vpdpbusd of 16 int32 lanes is 16 rows times 4
 # broadcast activations and a lane sums a whole block of its row (igemm's tile layout, kept
 # packed). Per group of 16 rows (16 x the row's bytes, contiguous) and pair of blocks (a unit,
 # whole 64-byte lines): block 2u's quants, 16 x qb bytes (bytes 4s .. 4s+3 of row r's qb at
@@ -466,7 +466,7 @@ def _each_block(qtype, on_32, on_k, a):
 # 32 + 2 r), then their mins the same way (Q4_1). The same bytes as the GGUF rows, moved.
 # ---------------------------------------------------------------------------------------------
 X16 = 1000  # + the GGUF type id
-Q4_0X16, Q4_1X16, Q8_0X16 = X16 + Q4_0, X16 + Q4_1, X16 + Q8_0
+Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16 = X16 + Q4_0, X16 + Q4_1, X16 + Q8_0, X16 + Q4_K
 
 
 @njit(inline="always")
@@ -482,7 +482,10 @@ def x16_geometry(qtype):
 
 
 def x16_fits(qtype: int, m: int, row_bytes: int) -> bool:
-    """Whether a matrix of m rows can take its type's X16 layout: whole groups and block pairs."""
+    """Whether a matrix of m rows can take its type's X16 layout: whole groups and block pairs
+    (Q4_K: whole groups; a super-block is a unit)."""
+    if qtype == Q4_K:
+        return m % 16 == 0 and row_bytes % _NB_Q4_K == 0
     return qtype in (Q4_0, Q4_1, Q8_0) and m % 16 == 0 and row_bytes % (2 * qt.QUANT_TYPES[qtype].block_bytes) == 0
 
 
@@ -524,6 +527,92 @@ def x16_block(w, qtype, rb, row, b):
     if has_min:
         return _nibbles(v), 0, half(w, sc), half(w, sc + 64)
     return _nibbles(v), 8, half(w, sc), f32(0)
+
+
+# Q4_K repacked (Q4_KX16): per group of 16 rows and super-block (a unit of 2304 bytes = 16 x 144,
+# 36 whole lines, read in order; the group's units one after another):
+#   d of row r (float16) at 2 r, dmin at 32 + 2 r;
+#   the 6-bit scale sc and min m of sub-block j (of 32) of row r, split in 4 and 2 bits:
+#     at 64 + 64 (j // 4) + 16 (j % 4) + r: sc & 15 | (m & 15) << 4,
+#     at 192 + 16 (j % 4) + r (j < 4): sc_j >> 4 | sc_j+4 >> 4 << 2 | m_j >> 4 << 4 | m_j+4 >> 4 << 6;
+#   quants: chunk i (qs[32i .. 32i+31]: elements 64i + l low nibbles, 64i + 32 + l high) at
+#     256 + 512 i, bytes 4s .. 4s+3 of row r at + 64 s + 4 r (one 64-byte load: 16 rows x 4 elements).
+#   The same number of bytes as the GGUF rows: a unit's scales are 16 x 12 bytes as well.
+_K4U = 2304  # bytes per unit
+_K4D, _K4L, _K4H, _K4Q = 0, 64, 192, 256  # d (then dmin at + 32), low bits, high bits, quants
+
+
+@njit(inline="always")
+def _k4_field(s, o, j):
+    """(sc, m) of sub-block j of the GGUF Q4_K super-block at byte o of s (its 12 scale bytes)."""
+    b = o + 4
+    if j < 4:
+        return i32(s[b + j]) & 63, i32(s[b + j + 4]) & 63
+    lo, hs, hm = i32(s[b + j + 4]), i32(s[b + j - 4]), i32(s[b + j])
+    return (lo & 15) | ((hs >> 6) << 4), (lo >> 4) | ((hm >> 6) << 4)
+
+
+@njit(cache=True, parallel=True)
+def repack_x16_k4(src, dst):
+    """dst (m, row_bytes) = the Q4_K rows of src in the Q4_KX16 layout (x16_fits holds)."""
+    m, rb = src.shape
+    nb = rb // _NB_Q4_K
+    s, d = src.reshape(-1), dst.reshape(-1)
+    for g in prange(m // 16):
+        for r in range(16):
+            ro = (16 * g + r) * rb
+            for b in range(nb):
+                o = ro + _NB_Q4_K * b
+                u = g * 16 * rb + _K4U * b
+                for j in range(128):
+                    d[u + _K4Q + 512 * (j // 32) + 64 * (j % 32 // 4) + 4 * r + j % 4] = s[o + 16 + j]
+                d[u + _K4D + 2 * r], d[u + _K4D + 2 * r + 1] = s[o], s[o + 1]
+                d[u + _K4D + 32 + 2 * r], d[u + _K4D + 33 + 2 * r] = s[o + 2], s[o + 3]
+                for j in range(4):
+                    sc, mn = _k4_field(s, o, j)
+                    sc4, mn4 = _k4_field(s, o, j + 4)
+                    d[u + _K4L + 16 * j + r] = (sc & 15) | ((mn & 15) << 4)
+                    d[u + _K4L + 64 + 16 * j + r] = (sc4 & 15) | ((mn4 & 15) << 4)
+                    d[u + _K4H + 16 * j + r] = (sc >> 4) | ((sc4 >> 4) << 2) | ((mn >> 4) << 4) | ((mn4 >> 4) << 6)
+
+
+@njit(inline="always")
+def k4x16_scales(w, u):
+    """The 6-bit scales and mins of the Q4_KX16 unit at byte u: (sc of sub-blocks 0-3, of 4-7,
+    m of 0-3, of 4-7), each uint8 x 64 with sub-block j's 16 rows at lanes 16 (j % 4) .. + 15."""
+    u32 = np.uint32
+    l0, l1, h = view(ld(w, u + _K4L, 64), u32), view(ld(w, u + _K4L + 64, 64), u32), view(ld(w, u + _K4H, 64), u32)
+    lo4 = u32(0x0F0F0F0F)
+    hi2 = u32(0x30303030)
+    sc03 = vor(vand(l0, lo4), vshl(vand(h, u32(0x03030303)), 4))
+    sc47 = vor(vand(l1, lo4), vand(vshl(h, 2), hi2))
+    m03 = vor(vand(vshr(l0, 4), lo4), vand(h, hi2))
+    m47 = vor(vand(vshr(l1, 4), lo4), vand(vshr(h, 2), hi2))
+    return view(sc03, np.uint8), view(sc47, np.uint8), view(m03, np.uint8), view(m47, np.uint8)
+
+
+@njit(inline="always")
+def k4x16_block(w, rb, row, b):
+    """Row `row`'s sub-block b (of 32) of a Q4_KX16 weight w (flat): (q uint8 x 32, d, dmin, sc,
+    m), w = d * sc * q - dmin * m."""
+    j = b % 8
+    u = (row // 16) * 16 * rb + _K4U * (b // 8)
+    r = row % 16
+    q = u + _K4Q + 512 * (j // 2) + 4 * r
+    v = cat(cat(cat(ld(w, q, 4), ld(w, q + 64, 4)), cat(ld(w, q + 128, 4), ld(w, q + 192, 4))),
+            cat(cat(ld(w, q + 256, 4), ld(w, q + 320, 4)), cat(ld(w, q + 384, 4), ld(w, q + 448, 4))))
+    if j % 2:
+        v = view(vshr(view(v, np.uint32), 4), np.uint8)
+    sc, m = k4x16_field(w, u, r, j)
+    return vand(v, 15), half(w, u + _K4D + 2 * r), half(w, u + _K4D + 32 + 2 * r), sc, m
+
+
+@njit(inline="always")
+def k4x16_field(w, u, r, j):
+    """(sc, m) of row r's sub-block j in the Q4_KX16 unit at byte u (one row: k4x16_scales)."""
+    lo, h = i32(w[u + _K4L + 64 * (j // 4) + 16 * (j % 4) + r]), i32(w[u + _K4H + 16 * (j % 4) + r])
+    sh = i32(2 * (j // 4))
+    return (lo & 15) | (((h >> sh) & 3) << 4), (lo >> 4) | (((h >> (sh + 4)) & 3) << 4)
 
 
 # ---------------------------------------------------------------------------------------------
