@@ -22,9 +22,9 @@ import numpy as np
 from numba import njit, prange
 
 from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
-from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q6_KX16, Q8_0, X16, _K4D, _K4Q, _K4U, _K6S,
-                      _K6U, _each_block, k4x16_field, k6x16_lines, x16_geometry, _tile_at, _tiles)
-from .simd import at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, shuffler, splat, st, vand, view, vmul, vor, vshl, vshr, vxor
+from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, _K4D, _K4Q, _K4U, _each_block,
+                      k4x16_field, x16_geometry, _tile_at, _tiles)
+from .simd import at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, shuffler, splat, st, vand, view, vmul, vshr, vxor
 
 _R = 32  # rows per tile: two vectors of 16 int32 lanes
 _T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast: 27 of 32 zmm)
@@ -203,39 +203,10 @@ def _unpack_k4x16(w, rb, r0, nr, k, u, s, mn):
 
 
 @njit(fastmath=True)
-def _unpack_k6x16(w, rb, r0, nr, k, u, s, mn):
-    """Q6_KX16 rows as _unpack_k decodes Q6_K's: 6-bit quants, a scale per 16."""
-    zu = splat(np.uint32(0), 16)
-    for h in range(_R // 16):
-        g = (r0 + 16 * h) * rb
-        live = 16 * h < nr
-        for sb in range(k // 256):
-            un = g + _K6U * sb
-            for e in range(8):  # element block e of 32: half e // 4, group e % 4
-                b, grp = 8 * sb + e, e % 4
-                lq, step, hq = k6x16_lines(un, 2 * (e // 4) + grp % 2)
-                for i in range(8):
-                    if live:
-                        lv, hv = view(ld(w, lq + step * i, 64), np.uint32), view(ld(w, hq + 128 * i, 64), np.uint32)
-                        v = vor(vand(vshr(lv, 4 * (grp // 2)), 0x0F0F0F0F), vshl(vand(vshr(hv, 2 * grp), 0x03030303), 4))
-                    else:
-                        v = zu
-                    st(u, (8 * b + i) * _R + 16 * h, v)
-            for j in range(16):
-                for r in range(16):
-                    o = (16 * sb + j) * _R + 16 * h + r
-                    s[o] = half(w, un + 2 * r) * f32(np.int8(w[un + _K6S + 16 * j + r])) if live else f32(0)
-                    mn[o] = 0
-
-
-@njit(fastmath=True)
 def _unpack(qtype, w, rb, r0, nr, k, u, s, mn, tmp):
     """The tile's rows decoded row by row into tmp (_R, k/4), then transposed into u."""
     if qtype == Q4_KX16:
         _unpack_k4x16(w, rb, r0, nr, k, u, s, mn)
-        return
-    if qtype == Q6_KX16:
-        _unpack_k6x16(w, rb, r0, nr, k, u, s, mn)
         return
     if qtype > X16:
         _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn)

@@ -466,7 +466,7 @@ def _each_block(qtype, on_32, on_k, a):
 # 32 + 2 r), then their mins the same way (Q4_1). The same bytes as the GGUF rows, moved.
 # ---------------------------------------------------------------------------------------------
 X16 = 1000  # + the GGUF type id
-Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16 = X16 + Q4_0, X16 + Q4_1, X16 + Q8_0, X16 + Q4_K, X16 + Q6_K
+Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16 = X16 + Q4_0, X16 + Q4_1, X16 + Q8_0, X16 + Q4_K
 
 
 @njit(inline="always")
@@ -483,9 +483,9 @@ def x16_geometry(qtype):
 
 def x16_fits(qtype: int, m: int, row_bytes: int) -> bool:
     """Whether a matrix of m rows can take its type's X16 layout: whole groups and block pairs
-    (Q4_K, Q6_K: whole groups; a super-block is a unit)."""
-    if qtype == Q4_K or qtype == Q6_K:
-        return m % 16 == 0 and row_bytes % qt.QUANT_TYPES[qtype].block_bytes == 0
+    (Q4_K: whole groups; a super-block is a unit)."""
+    if qtype == Q4_K:
+        return m % 16 == 0 and row_bytes % _NB_Q4_K == 0
     return qtype in (Q4_0, Q4_1, Q8_0) and m % 16 == 0 and row_bytes % (2 * qt.QUANT_TYPES[qtype].block_bytes) == 0
 
 
@@ -613,79 +613,6 @@ def k4x16_field(w, u, r, j):
     lo, h = i32(w[u + _K4L + 64 * (j // 4) + 16 * (j % 4) + r]), i32(w[u + _K4H + 16 * (j % 4) + r])
     sh = i32(2 * (j // 4))
     return (lo & 15) | (((h >> sh) & 3) << 4), (lo >> 4) | (((h >> (sh + 4)) & 3) << 4)
-
-
-# Q6_K repacked (Q6_KX16): per group of 16 rows and super-block a unit of 3360 bytes (16 x 210; units
-# are not whole lines, the loads unaligned), read in address order:
-#   d of row r (float16) at 2 r; the int8 scale of sub-block j (of 16) of row r at 32 + 16 j + r;
-#   then per half n (128 elements) 1536 bytes at 288 + 1536 n, lines of 16 rows x 4 bytes (bytes
-#   4s .. 4s+3 of row r at 4 r): ql chunk 2n's line s (ql[64n + 4s ..]: the half's elements 4s ..
-#   low nibbles, 64 + 4s .. high) at 128 s, qh half n's line s (qh[32n + 4s ..], bits 2g .. 2g+1
-#   for the half's elements 32g + 4s ..) at 128 s + 64, then chunk 2n + 1's (elements 32 + 4s ..,
-#   96 + 4s ..) at 1024 + 64 s. w = d * sc * (q - 32), q = ql nibble | qh bits << 4 (the GGUF block's).
-_K6U = 3360
-_K6S, _K6Q = 32, 288  # scales, quants (d at 0)
-
-
-@njit(inline="always")
-def k6x16_lines(u, c):
-    """(first line, step between lines) of ql chunk c of the Q6_KX16 unit at u, and its half's
-    first qh line (the next every 128 bytes)."""
-    base = u + _K6Q + 1536 * (c // 2)
-    if c % 2 == 0:
-        return base, 128, base + 64
-    return base + 1024, 64, base + 64
-
-
-@njit(cache=True, parallel=True)
-def repack_x16_k6(src, dst):
-    """dst (m, row_bytes) = the Q6_K rows of src in the Q6_KX16 layout (x16_fits holds)."""
-    m, rb = src.shape
-    nb = rb // _NB_Q6_K
-    s, d = src.reshape(-1), dst.reshape(-1)
-    for g in prange(m // 16):
-        for r in range(16):
-            ro = (16 * g + r) * rb
-            for b in range(nb):
-                o = ro + _NB_Q6_K * b
-                u = g * 16 * rb + _K6U * b
-                for j in range(128):
-                    lq, step, hq = k6x16_lines(u, j // 32)
-                    d[lq + step * (j % 32 // 4) + 4 * r + j % 4] = s[o + j]
-                for j in range(64):
-                    lq, step, hq = k6x16_lines(u, 2 * (j // 32))
-                    d[hq + 128 * (j % 32 // 4) + 4 * r + j % 4] = s[o + 128 + j]
-                for j in range(16):
-                    d[u + _K6S + 16 * j + r] = s[o + 192 + j]
-                d[u + 2 * r], d[u + 2 * r + 1] = s[o + 208], s[o + 209]
-
-
-@njit(inline="always")
-def k6x16_quants(lv, hv, c, hi):
-    """q (uint8 x 64, 0 .. 63) of ql chunk c's low (hi=0) or high (hi=1) nibbles from one 64-byte
-    line of ql (lv) and of qh (hv), uint32 views: 16 rows x 4 elements."""
-    g = 2 * hi + c % 2  # the element group of 32 in its half
-    return view(vor(vand(vshr(lv, 4 * hi), np.uint32(0x0F0F0F0F)),
-                    vshl(vand(vshr(hv, 2 * g), np.uint32(0x03030303)), 4)), np.uint8)
-
-
-@njit(inline="always")
-def k6x16_block(w, rb, row, b):
-    """Row `row`'s element block b (of 32) of a Q6_KX16 weight w (flat): (q uint8 x 32, d, the
-    scales of its two sub-blocks of 16)."""
-    u = (row // 16) * 16 * rb + _K6U * (b // 8)
-    r, i = row % 16, b % 8  # i: the block in its super-block: half i // 4, group i % 4
-    n, g = i // 4, i % 4
-    c = 2 * n + g % 2
-    lo, st_, hq = k6x16_lines(u, c)
-    lo, hq = lo + 4 * r, hq + 4 * r
-    lv = cat(cat(cat(ld(w, lo, 4), ld(w, lo + st_, 4)), cat(ld(w, lo + 2 * st_, 4), ld(w, lo + 3 * st_, 4))),
-             cat(cat(ld(w, lo + 4 * st_, 4), ld(w, lo + 5 * st_, 4)), cat(ld(w, lo + 6 * st_, 4), ld(w, lo + 7 * st_, 4))))
-    hv = cat(cat(cat(ld(w, hq, 4), ld(w, hq + 128, 4)), cat(ld(w, hq + 256, 4), ld(w, hq + 384, 4))),
-             cat(cat(ld(w, hq + 512, 4), ld(w, hq + 640, 4)), cat(ld(w, hq + 768, 4), ld(w, hq + 896, 4))))
-    v = k6x16_quants(view(lv, np.uint32), view(hv, np.uint32), c, g // 2)
-    j = 8 * n + 2 * g  # its first sub-block of 16
-    return v, half(w, u + 2 * r), np.int8(w[u + _K6S + 16 * j + r]), np.int8(w[u + _K6S + 16 * j + 16 + r])
 
 
 # ---------------------------------------------------------------------------------------------

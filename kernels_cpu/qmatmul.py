@@ -42,9 +42,8 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       _each_block, _half_iq4_xs, _load_bf16, _load_f16, _load_f32, _pair_q2_k, _pair_q3_k, _pair_q6_k,
                       _quad_iq4_nl, _quad_q4_0, _quad_q4_1, _quad_q4_k, _quad_q5_0, _quad_q5_1, _quad_q5_k, _quad_q8_0,
                       _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles,
-                      X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16, _K4D, _K4Q, _K4U, _K6Q, _K6S, _K6U,
-                      k4x16_block, k4x16_scales, k6x16_block, k6x16_lines, k6x16_quants, repack_x16, repack_x16_k4,
-                      repack_x16_k6, x16_block, x16_fits, x16_geometry)
+                      X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, _K4D, _K4Q, _K4U, k4x16_block, k4x16_scales, repack_x16,
+                      repack_x16_k4, x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
 from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, fma, hmax, hsum, lane, ld, ld_f16, madd,
                    madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax, vmul, vmul_kept,
@@ -61,8 +60,6 @@ _PF_X16 = 8192  # the same for the X16 layouts (7B-sized matvecs, 2 threads: 409
 # Q4_KX16: 4096 ahead for 2 or more tokens (one 11008 x 4096 matrix streamed at 2 threads: 2 tokens
 # 16 -> 34 GB/s), none for one (26 with, 28-30 without, as the GGUF rows' 29-30)
 _PF_K4X16 = 4096
-_PF_K6X16 = 8192
-_K6_PF1 = True  # Q6_KX16 prefetches for one token too
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
 _TOK = 32
@@ -704,129 +701,6 @@ def _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
             _k4x16_pass(w, g * rb, nsb, xq, k, xd, bsum, t, 1, out, col + g)
 
 
-# Q6_KX16 (layouts.py): per unit and token, 64 vpdpbusd in 16 chains of 4 (one per sub-block of 16),
-# each started from -32 * the activations' sum of its 16 (the quants' offset), times the rows'
-# int8 scales in int32; one FMA a unit. The quants are unpacked once for up to 4 tokens.
-@njit(fastmath=True)
-def _k6_token(lo, hi, s0, s1, s2, s3, xq, xo, bsum, bj, a):
-    """a + one token's share of a Q6_KX16 chunk: lo (hi): 8 vectors of 16 rows x 4 elements of its
-    low (high) group of 32 at xo (xo + 64), sub-blocks bj, bj + 1 (bj + 4, bj + 5) with scales s0 .. s3."""
-    c0 = dot4acc(_off32(bsum, bj), lo[0], _bx(xq, xo))
-    c1 = dot4acc(_off32(bsum, bj + 1), lo[4], _bx(xq, xo + 16))
-    c2 = dot4acc(_off32(bsum, bj + 4), hi[0], _bx(xq, xo + 64))
-    c3 = dot4acc(_off32(bsum, bj + 5), hi[4], _bx(xq, xo + 80))
-    c0, c1 = dot4acc(c0, lo[1], _bx(xq, xo + 4)), dot4acc(c1, lo[5], _bx(xq, xo + 20))
-    c2, c3 = dot4acc(c2, hi[1], _bx(xq, xo + 68)), dot4acc(c3, hi[5], _bx(xq, xo + 84))
-    c0, c1 = dot4acc(c0, lo[2], _bx(xq, xo + 8)), dot4acc(c1, lo[6], _bx(xq, xo + 24))
-    c2, c3 = dot4acc(c2, hi[2], _bx(xq, xo + 72)), dot4acc(c3, hi[6], _bx(xq, xo + 88))
-    c0, c1 = dot4acc(c0, lo[3], _bx(xq, xo + 12)), dot4acc(c1, lo[7], _bx(xq, xo + 28))
-    c2, c3 = dot4acc(c2, hi[3], _bx(xq, xo + 76)), dot4acc(c3, hi[7], _bx(xq, xo + 92))
-    return vadd(a, vadd(vadd(vmul(c0, s0), vmul(c1, s1)), vadd(vmul(c2, s2), vmul(c3, s3))))
-
-
-@njit(fastmath=True, inline="always")
-def _k6_chunk(w, u, c, xq, xo, k, bsum, bj, k16, nt, sa, sb, a0, a1, a2, a3):
-    """ql chunk c of the Q6_KX16 unit at byte u for the tile's nt tokens: its low nibbles are the
-    group of 32 at xo (+ k ..), its high ones the group at xo + 64; sa, sb: the half's scales."""
-    lq, e, hq = k6x16_lines(u, c)
-    if _K6_PF1 or nt > 1:
-        for p in range(0, 8 * e, 64):  # the lines this chunk reads first (chunk 2n + 1: ql only)
-            prefetch(w, lq + _PF_K6X16 + p)
-    l0, l1, l2, l3 = _u32(w, lq), _u32(w, lq + e), _u32(w, lq + 2 * e), _u32(w, lq + 3 * e)
-    l4, l5, l6, l7 = _u32(w, lq + 4 * e), _u32(w, lq + 5 * e), _u32(w, lq + 6 * e), _u32(w, lq + 7 * e)
-    h0, h1, h2, h3 = _u32(w, hq), _u32(w, hq + 128), _u32(w, hq + 256), _u32(w, hq + 384)
-    h4, h5, h6, h7 = _u32(w, hq + 512), _u32(w, hq + 640), _u32(w, hq + 768), _u32(w, hq + 896)
-    lo = (k6x16_quants(l0, h0, c, 0), k6x16_quants(l1, h1, c, 0), k6x16_quants(l2, h2, c, 0),
-          k6x16_quants(l3, h3, c, 0), k6x16_quants(l4, h4, c, 0), k6x16_quants(l5, h5, c, 0),
-          k6x16_quants(l6, h6, c, 0), k6x16_quants(l7, h7, c, 0))
-    hi = (k6x16_quants(l0, h0, c, 1), k6x16_quants(l1, h1, c, 1), k6x16_quants(l2, h2, c, 1),
-          k6x16_quants(l3, h3, c, 1), k6x16_quants(l4, h4, c, 1), k6x16_quants(l5, h5, c, 1),
-          k6x16_quants(l6, h6, c, 1), k6x16_quants(l7, h7, c, 1))
-    if c % 2 == 0:
-        s0, s1, s2, s3 = _sc8(_SUB0(sa)), _sc8(_SUB1(sa)), _sc8(_SUB0(sb)), _sc8(_SUB1(sb))
-    else:
-        s0, s1, s2, s3 = _sc8(_SUB2(sa)), _sc8(_SUB3(sa)), _sc8(_SUB2(sb)), _sc8(_SUB3(sb))
-    a0 = _k6_token(lo, hi, s0, s1, s2, s3, xq, xo, bsum, bj, a0)
-    if nt > 1:
-        a1 = _k6_token(lo, hi, s0, s1, s2, s3, xq, xo + k, bsum, bj + k16, a1)
-    if nt > 2:
-        a2 = _k6_token(lo, hi, s0, s1, s2, s3, xq, xo + 2 * k, bsum, bj + 2 * k16, a2)
-        a3 = _k6_token(lo, hi, s0, s1, s2, s3, xq, xo + 3 * k, bsum, bj + 3 * k16, a3)
-    return a0, a1, a2, a3
-
-
-@njit(inline="always")
-def _off32(bsum, i):
-    """-32 * the activations' sum of 16 at bsum[i], in 16 int32 lanes: a Q6_K chain's start."""
-    return splat(i32(-32 * i32(at(bsum, i))), 16)
-
-
-@njit(inline="always")
-def _u32(w, o):
-    return view(ld(w, o, 64), np.uint32)
-
-
-@njit(inline="always")
-def _sc8(v):
-    """16 int8 scales (as uint8 lanes) -> int32."""
-    return cvt(view(v, np.int8), i32)
-
-
-@njit(fastmath=True)
-def _k6_finish(a, d, xd, f):
-    return fma(cvt(a, f32), vmul_kept(d, splat(xd, 16)), f)
-
-
-@njit(fastmath=True, inline="always")
-def _k6x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
-    """_k4x16_pass for Q6_KX16."""
-    z = splat(f32(0), 16)
-    f0, f1, f2, f3 = z, z, z, z
-    zi = splat(i32(0), 16)
-    k16 = k // 16
-    for b in range(nsb):
-        u = g0 + _K6U * b
-        if _K6_PF1 or nt > 1:
-            for p in range(0, _K6Q, 64):
-                prefetch(w, u + _PF_K6X16 + p)
-        a0, a1, a2, a3 = zi, zi, zi, zi
-        for h in range(2):  # halves of 128 elements: chunks 2h (groups 0, 2) and 2h + 1 (groups 1, 3)
-            sa, sb = ld(w, u + _K6S + 128 * h, 64), ld(w, u + _K6S + 128 * h + 64, 64)
-            xo, bj = t * k + 256 * b + 128 * h, t * k16 + 16 * b + 8 * h
-            a0, a1, a2, a3 = _k6_chunk(w, u, 2 * h, xq, xo, k, bsum, bj, k16, nt, sa, sb, a0, a1, a2, a3)
-            a0, a1, a2, a3 = _k6_chunk(w, u, 2 * h + 1, xq, xo + 32, k, bsum, bj + 2, k16, nt, sa, sb,
-                                       a0, a1, a2, a3)
-        d = h2f(view(ld(w, u, 32), np.uint16))
-        f0 = _k6_finish(a0, d, at(xd, t * nsb + b), f0)
-        if nt > 1:
-            f1 = _k6_finish(a1, d, at(xd, (t + 1) * nsb + b), f1)
-        if nt > 2:
-            f2 = _k6_finish(a2, d, at(xd, (t + 2) * nsb + b), f2)
-            f3 = _k6_finish(a3, d, at(xd, (t + 3) * nsb + b), f3)
-    _x16_store(out, t, c, f0)
-    if nt > 1:
-        _x16_store(out, t + 1, c, f1)
-    if nt > 2:
-        _x16_store(out, t + 2, c, f2)
-        _x16_store(out, t + 3, c, f3)
-
-
-@njit(fastmath=True)
-def _dot_rows_k6x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
-    """Q6_KX16 rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, 4 at a time, then 2, 1."""
-    nsb = k // 256
-    for g in range(r0, r1, 16):
-        t = 0
-        while t + 4 <= n:
-            _k6x16_pass(w, g * rb, nsb, xq, k, xd, bsum, t, 4, out, col + g)
-            t += 4
-        if t + 2 <= n:
-            _k6x16_pass(w, g * rb, nsb, xq, k, xd, bsum, t, 2, out, col + g)
-            t += 2
-        if t < n:
-            _k6x16_pass(w, g * rb, nsb, xq, k, xd, bsum, t, 1, out, col + g)
-
-
 @njit(fastmath=True, inline="always")
 def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, dm_at, nib,
             wide):
@@ -908,8 +782,6 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     time grows faster than a function's size: apart they compile in a fraction of one's time)."""
     if qtype == Q4_KX16:
         _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col)
-    elif qtype == Q6_KX16:
-        _dot_rows_k6x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col)
     elif qtype > X16:
         _dot_rows_x16(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     elif qtype == Q4_0 or qtype == Q4_1 or qtype == Q5_0 or qtype == Q5_1 or qtype == Q8_0 or qtype == IQ4_NL:
@@ -981,12 +853,6 @@ def _dequant_row(qtype, w, ro, k, dst, at):
         for b in range(k // 32):
             q, d, dmin, sc, m = k4x16_block(w, rb, ro // rb, b)
             st(dst, at + 32 * b, vsub(vmul(cvt(vmul(cvt(q, np.int16), sc), np.float32), d), dmin * f32(m)))
-    elif qtype == Q6_KX16:  # as _deq_chunk computes it
-        rb = k // 256 * _NB_Q6_K
-        for b in range(k // 32):
-            q, d, s0, s1 = k6x16_block(w, rb, ro // rb, b)
-            scale = cat(splat(np.int16(s0), 16), splat(np.int16(s1), 16))
-            st(dst, at + 32 * b, vsub(vmul(cvt(vmul(vsub(cvt(q, np.int16), 32), scale), np.float32), d), f32(0)))
     elif qtype > X16:
         rb = k // 32 * x16_geometry(qtype)[3]
         for b in range(k // 32):
@@ -1047,7 +913,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     _prologue(x, pre, pre_w, eps, xa)
     m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
     fam = 0 if (qtype == F32 or qtype == F16 or qtype == BF16) else (
-        256 if (qtype >= Q2_K and qtype <= Q6_K) or qtype == IQ4_XS or qtype == Q4_KX16 or qtype == Q6_KX16 else (
+        256 if (qtype >= Q2_K and qtype <= Q6_K) or qtype == IQ4_XS or qtype == Q4_KX16 else (
             16 if qtype > X16 else 32))
     bs = max(fam, 32)
     nb = k // bs
@@ -1184,7 +1050,7 @@ def _dequant_rows(w, qtype, rows, k, out):
 def _check_weight(w, qtype, what="weight") -> tuple[np.ndarray, int]:
     """w as a read-only uint8 (m, row_bytes) view, and k (weights per row)."""
     qt = QUANT_TYPES.get(qtype - X16 if qtype > X16 else qtype)  # a repacked layout: its type's bytes
-    if qtype not in SUPPORTED and qtype not in (Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16):
+    if qtype not in SUPPORTED and qtype not in (Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16):
         raise UnsupportedModelError(f"qmatmul: tensor type {qt.name if qt else f'id {qtype}'} is not supported")
     if not isinstance(w, np.ndarray) or w.ndim != 2:
         raise EdgekvError(f"qmatmul: {what} must be a 2-D array, got {type(w).__name__} {getattr(w, 'shape', '')}")
@@ -1257,7 +1123,7 @@ def packable(qtype: int, shapes) -> bool:
 
 def pack(qw: QWeight) -> QWeight:
     """qw in this machine's faster decode layout where there is one, else qw itself: Q4_0, Q4_1,
-    Q8_0, Q4_K and Q6_K with AVX-512 VNNI -> their X16 layout (layouts.py; every part whole groups of 16
+    Q8_0 and Q4_K with AVX-512 VNNI -> their X16 layout (layouts.py; every part whole groups of 16
     rows and pairs of blocks). The parts are new arrays: the caller's may be released."""
     if not packable(qw.qtype, [p.shape for p in qw.ws]):
         return qw
@@ -1267,8 +1133,6 @@ def pack(qw: QWeight) -> QWeight:
             d = _aligned(p.shape)
             if qw.qtype == Q4_K:
                 repack_x16_k4(p, d)
-            elif qw.qtype == Q6_K:
-                repack_x16_k6(p, d)
             else:
                 repack_x16(p, d, qw.qtype)
             p = _readonly(d)

@@ -460,15 +460,15 @@ def _run(qw, x, out, col=0):
     return qm.run(qw, x, out, col, qm.PRE_NONE, qm._NONE1, 0.0, qm._NONE2, qm._NONE1)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
 def test_repacked_x16(monkeypatch, name):
-    """Q4_0, Q4_1, Q8_0, Q4_K, Q6_K repacked into 16 interleaved rows (decode, prefill, row
+    """Q4_0, Q4_1, Q8_0, Q4_K repacked into 16 interleaved rows (decode, prefill, row
     dequantization) against gguf.quants' dequantization times the kernels' int8 activations: fused
-    parts of 48, 16 and 64 rows, k of 2, 18 and 32 blocks (K types: 1, 3 and 4 super-blocks), every
+    parts of 48, 16 and 64 rows, k of 2, 18 and 32 blocks (Q4_K: 1, 3 and 4 super-blocks), every
     decode token count (each token with the bits it has alone: tiles of 4, 2, 1 tokens), and
     prefill counts that leave partial tiles (16 .. 513)."""
     rng = np.random.default_rng(23)
-    for k in (256, 768, 1024) if name in ("Q4_K", "Q6_K") else (64, 576, 1024):
+    for k in (256, 768, 1024) if name == "Q4_K" else (64, 576, 1024):
         parts = [random_raw(name, m, k, rng) for m in (48, 16, 64)]
         dense = np.concatenate([reference(p, name) for p in parts])
         qw, packed = _x16(monkeypatch, parts, name)
