@@ -11,7 +11,7 @@ from numba import njit, prange
 from edgekv import quants as qt
 from edgekv.quants import KVALUES_IQ4NL
 
-from .simd import (bits, cat, cvt, h2f, half, half2, ld, ld_bf16, ld_f16, ld_f32, lut16, pack2, shuffler, shuffler2,
+from .simd import (bits, cat, cvt, h2f, half, half2, lane, ld, ld_bf16, ld_f16, ld_f32, lut16, pack2, shuffler, shuffler2,
                    splat, testbits, vadd, vand, view, vor, vshl, vshr, vsub, word)
 
 # GGML type ids and block bytes from the one table (edgekv/quants.py), as module-level ints: numba
@@ -542,16 +542,6 @@ _K4U = 2304  # bytes per unit
 _K4D, _K4L, _K4H, _K4Q = 0, 64, 192, 256  # d (then dmin at + 32), low bits, high bits, quants
 
 
-@njit(inline="always")
-def _k4_field(s, o, j):
-    """(sc, m) of sub-block j of the GGUF Q4_K super-block at byte o of s (its 12 scale bytes)."""
-    b = o + 4
-    if j < 4:
-        return i32(s[b + j]) & 63, i32(s[b + j + 4]) & 63
-    lo, hs, hm = i32(s[b + j + 4]), i32(s[b + j - 4]), i32(s[b + j])
-    return (lo & 15) | ((hs >> 6) << 4), (lo >> 4) | ((hm >> 6) << 4)
-
-
 @njit(cache=True, parallel=True)
 def repack_x16_k4(src, dst):
     """dst (m, row_bytes) = the Q4_K rows of src in the Q4_KX16 layout (x16_fits holds)."""
@@ -568,9 +558,10 @@ def repack_x16_k4(src, dst):
                     d[u + _K4Q + 512 * (j // 32) + 64 * (j % 32 // 4) + 4 * r + j % 4] = s[o + 16 + j]
                 d[u + _K4D + 2 * r], d[u + _K4D + 2 * r + 1] = s[o], s[o + 1]
                 d[u + _K4D + 32 + 2 * r], d[u + _K4D + 33 + 2 * r] = s[o + 2], s[o + 3]
+                _, _, scs, mns = _scales_k4(s, o)  # the GGUF bytes' decoder: sub-block j at lane 2j
                 for j in range(4):
-                    sc, mn = _k4_field(s, o, j)
-                    sc4, mn4 = _k4_field(s, o, j + 4)
+                    sc, mn = i32(lane(scs, 2 * j)), i32(lane(mns, 2 * j))
+                    sc4, mn4 = i32(lane(scs, 2 * j + 8)), i32(lane(mns, 2 * j + 8))
                     d[u + _K4L + 16 * j + r] = (sc & 15) | ((mn & 15) << 4)
                     d[u + _K4L + 64 + 16 * j + r] = (sc4 & 15) | ((mn4 & 15) << 4)
                     d[u + _K4H + 16 * j + r] = (sc >> 4) | ((sc4 >> 4) << 2) | ((mn >> 4) << 4) | ((mn4 >> 4) << 6)
