@@ -24,7 +24,8 @@ in another type than q and k), written side by side.
 from __future__ import annotations
 
 import numpy as np
-from numba import get_num_threads, njit
+from numba import get_num_threads, njit, prange
+from numba.typed import List
 
 from .kvquant import KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, _decode_core
 from .ops import _rmsnorm_serial, _rope_token, _silu_mul_serial
@@ -43,7 +44,6 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layers, ats, 
     wqkv, tqkv, mqkv, wo, to, wgu, tgu, mgu, wdown, tdown = W
     attn_norm, qkv_bias, q_norm, k_norm, post_attn, ffn_norm, post_ffw = N
     H, Hkv, hd, act = dims
-    inv_freq, neox, n_rope_heads, mag = rope
     n = x.shape[0]
     e1 = np.empty(0, np.float32)  # absent pre_w / post_w / residual (module globals would be read-only)
     e2 = np.empty((0, 0), np.float32)
@@ -61,28 +61,8 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layers, ats, 
             for c in range(qkv.shape[1]):
                 qkv[t, c] += qkv_bias[c]
     qkv3 = qkv.reshape(n, H + 2 * Hkv, hd)  # (n, heads, hd) view
-    cs = np.empty(inv_freq.shape[0], np.float32)
-    sn = np.empty(inv_freq.shape[0], np.float32)
     a = np.empty((n, H, hd), np.float32)
-    for t in range(n):
-        # ops' own compiled functions, not their inline rows: inlined here they would take this
-        # function's float flags (no fastmath) and differ from the op-by-op path in the last bit
-        if q_norm.shape[0]:  # per head, in place: rows of the (heads, hd) view
-            heads = qkv3[t]
-            _rmsnorm_serial(heads[:H], q_norm, eps, heads[:H])
-            _rmsnorm_serial(heads[H : H + Hkv], k_norm, eps, heads[H : H + Hkv])
-        _rope_token(qkv3, q_pos, inv_freq, neox, n_rope_heads, t, cs, sn, mag)  # q and k: the first H + Hkv heads
-        # copies, not slice assignments: each of those compiles numba's shape-mismatch message (~1 s cold)
-        q = qkv3[t : t + 1, :H].copy()  # (1, H, hd)
-        k = qkv3[t : t + 1, H : H + Hkv].copy()
-        v = qkv3[t : t + 1, H + Hkv :].copy()
-        slot, n_ring, e0, row, shift = ats[t]
-        a1 = np.empty((1, H, hd), np.float32)
-        _decode_core(layers[t], q, k, v, q_pos[t : t + 1].copy(), (slot, n_ring, e0, row), (inv_freq, neox, shift),
-                     scale, par, a1, softcap)
-        for h in range(H):
-            for i in range(hd):
-                a[t, h, i] = a1[0, h, i]
+    _attend(qkv3, q_pos, q_norm, k_norm, eps, rope, layers, ats, scale, par, softcap, a)
     if res_scale != 1:
         a *= res_scale
     o = np.empty((n, x.shape[1]), np.float32)
@@ -102,6 +82,69 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layers, ats, 
             _silu_mul_serial(gu[t, :nf], gu[t, nf:], h[t])
         h *= res_scale
         _qmatvec(h, wdown, tdown, o, zero, plain, e1, eps, x, post_ffw)
+
+
+@njit(cache=True, error_model="numpy")
+def _attend(qkv3, q_pos, q_norm, k_norm, eps, rope, layers, ats, scale, par, softcap, a):
+    # a batch's tokens side by side, each attending over its own cache with one thread: a
+    # short context's attention is a serial ~10-25 us, most of it fixed cost, so one token at
+    # a time left the other cores idle for a third of a SmolLM2 batch step. One token (or one
+    # thread) keeps the attention's own split over the keys. The bits are the same either way
+    # (kvquant._attn_core splits by the problem, never by the thread count).
+    n = a.shape[0]
+    inv_freq, neox, nh, mag = rope
+    if n > 1 and par[2] > 1:
+        # a parallel loop takes arrays and scalars only, no tuples: the caches go as a typed list
+        caches = List()
+        at = np.empty((n, 5), np.int64)
+        for t in range(n):
+            caches.append(layers[t])
+            for j in range(5):
+                at[t, j] = ats[t][j]
+        _attend_par(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, caches, at, scale, par[0], par[1],
+                    softcap, a)
+    else:
+        for t in range(n):
+            slot, n_ring, e0, row, shift = ats[t]
+            _attend_token(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, layers[t], slot, n_ring, e0, row,
+                          shift, scale, par[0], par[1], par[2], softcap, a, t)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _attend_par(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, caches, at, scale, par_min, split_min,
+                softcap, a):
+    for i in prange(a.shape[0]):
+        t = np.int64(i)
+        _attend_token(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, caches[t], at[t, 0], at[t, 1],
+                      at[t, 2], at[t, 3], at[t, 4], scale, par_min, split_min, np.int64(1), softcap, a, t)
+
+
+@njit(cache=True, error_model="numpy")
+def _attend_token(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, layer, slot, n_ring, e0, row, shift,
+                  scale, par_min, split_min, threads, softcap, a, t):
+    # token t: q/k norms and RoPE in place in qkv3 (n, heads, hd), then its cache's decode step
+    # (k and v stored, attention) into a[t]
+    H, hd = a.shape[1], a.shape[2]
+    Hkv = (qkv3.shape[1] - H) // 2
+    # ops' own compiled functions, not their inline rows: inlined here they would take this
+    # function's float flags (no fastmath) and differ from the op-by-op path in the last bit
+    if q_norm.shape[0]:  # per head, in place: rows of the (heads, hd) view
+        heads = qkv3[t]
+        _rmsnorm_serial(heads[:H], q_norm, eps, heads[:H])
+        _rmsnorm_serial(heads[H : H + Hkv], k_norm, eps, heads[H : H + Hkv])
+    cs = np.empty(inv_freq.shape[0], np.float32)
+    sn = np.empty(inv_freq.shape[0], np.float32)
+    _rope_token(qkv3, q_pos, inv_freq, neox, nh, t, cs, sn, mag)  # q and k: the first H + Hkv heads
+    # copies, not slice assignments: each of those compiles numba's shape-mismatch message (~1 s cold)
+    q = qkv3[t : t + 1, :H].copy()  # (1, H, hd)
+    k = qkv3[t : t + 1, H : H + Hkv].copy()
+    v = qkv3[t : t + 1, H + Hkv :].copy()
+    a1 = np.empty((1, H, hd), np.float32)
+    _decode_core(layer, q, k, v, q_pos[t : t + 1].copy(), (slot, n_ring, e0, row), (inv_freq, neox, shift),
+                 scale, (par_min, split_min, threads), a1, softcap)
+    for h in range(H):
+        for i in range(hd):
+            a[t, h, i] = a1[0, h, i]
 
 
 def _runs(w) -> tuple[tuple, tuple, tuple]:
