@@ -181,23 +181,33 @@ def run(seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
 
 class Batcher:
     """Continuous batching of one LLM's forward passes across threads: each thread submits its
-    sequences' next ids (a decode token or a prefill chunk) and waits; the first to find no pass
-    running leads: it gathers what is pending (waiting up to `gather_s` until every thread
-    with a sequence still generating has submitted), runs it all as one `run` (the decode
-    tokens as one batched step, each prefill chunk alone, so a long prompt delays the others by
-    a chunk, never by all of it) and hands each thread its logits. A sequence joins when it
-    first submits and drops out when its generate ends (`leave`). Each sequence's logits are
-    those of its run alone (LLM.forward_batch), whatever else shares the pass."""
+    sequences' next ids (a decode token or a prefill chunk) and waits; a pass gathers what is
+    pending (waiting up to `gather_s` until every thread with a sequence still generating has
+    submitted), runs it all as one `run` (the decode tokens as one batched step, each prefill
+    chunk alone, so a long prompt delays the others by a chunk, never by all of it) and hands
+    each thread its logits. A sequence joins when it first submits and drops out when its
+    generate ends (`leave`). Each sequence's logits are those of its run alone
+    (LLM.forward_batch), whatever else shares the pass.
+
+    Who runs a pass: a thread that generates alone runs its own (no hand-off, and Ctrl-C stops
+    it between layers, as without a scheduler). While several threads generate, one worker
+    thread runs every pass: the kernels' OpenMP pool is that thread's, made once, instead of a
+    pool in each thread that led a pass (with two pools alive libgomp's idle workers sleep
+    between regions: kernels ran ~2x slower, bench/RESULTS.md). The worker gives its pool back
+    and ends when at most one thread is left generating."""
 
     def __init__(self, gather_s: float = 0.002, release=None):
         self.gather_s = gather_s
-        self.release = release  # called after a pass that ran other threads' sequences (CPUBackend.release_threads)
+        self.release = release  # gives the calling thread's kernel pool back (CPUBackend.release_threads)
         self._cv = threading.Condition()
         self._pending: dict[Sequence, Seq[int]] = {}  # insertion order: arrival order
         self._done: dict[Sequence, object] = {}  # logits, or the exception the pass raised
         # the sequences generating now -> their thread; weak: one fed outside generate (never left) goes with it
         self._owner: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
-        self._running = False
+        self._running: set[Sequence] = set()  # the pass under way (a sequence of it is not popped on Ctrl-C)
+        self._busy = False  # a pass is under way
+        self._worker: threading.Thread | None = None
+        self._led: set[int] = set()  # threads that ran a pass and may still hold a kernel pool
 
     def submit(self, seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
         """run(seqs, parts), batched with what other threads submit meanwhile."""
@@ -210,13 +220,28 @@ class Batcher:
             self._cv.notify_all()
             try:
                 while not all(s in self._done for s in seqs):
-                    if self._running:
+                    if self._worker is None and len(set(self._owner.values())) > 1:
+                        self._worker = threading.Thread(target=self._serve, name="edgekv-batcher", daemon=True)
+                        self._worker.start()
+                    if self._worker is not None:
+                        if me in self._led:  # this thread's pool goes: the worker's is the one
+                            self._led.discard(me)
+                            self._release()
+                        self._cv.wait()
+                    elif self._busy:
                         self._cv.wait()
                     else:
+                        self._led.add(me)
                         self._lead()
             except BaseException:  # Ctrl-C while leading or waiting: this thread's entries go
                 for s in seqs:
                     self._pending.pop(s, None)
+                while any(s in self._running for s in seqs):  # in the worker's pass: it ends first
+                    try:
+                        self._cv.wait()
+                    except KeyboardInterrupt:
+                        pass
+                for s in seqs:
                     self._done.pop(s, None)
                 raise
             outs = [self._done.pop(s) for s in seqs]
@@ -225,18 +250,38 @@ class Batcher:
                 raise out
         return outs
 
+    def _release(self) -> None:
+        if self.release is not None:
+            self.release()
+
     def _gathered(self) -> bool:
         return set(self._owner.values()) <= {self._owner.get(s) for s in self._pending}
 
+    def _serve(self) -> None:
+        """The worker: runs the passes while several threads generate."""
+        with self._cv:
+            try:
+                while self._pending or len(set(self._owner.values())) > 1:
+                    if self._pending and not self._busy:
+                        self._lead()
+                    else:
+                        self._cv.wait()
+            finally:
+                self._worker = None
+                self._cv.notify_all()
+        self._release()
+
     def _lead(self) -> None:
         """Run one pass of what is pending; called and returns with the lock held."""
-        self._running = True
+        self._busy = True
         try:
             deadline = time.monotonic() + self.gather_s
             while not self._gathered() and deadline > time.monotonic():
                 self._cv.wait(deadline - time.monotonic())
             batch, self._pending = self._pending, {}
-            others = len({self._owner.get(s) for s in batch}) > 1
+            self._running = set(batch)
+            worker = threading.current_thread() is self._worker
+            others = not worker and len({self._owner.get(s) for s in batch}) > 1
             self._cv.release()
             try:
                 # Ctrl-C in the leading (main) thread waits until the other threads have their logits
@@ -245,14 +290,15 @@ class Batcher:
                         outs = run(list(batch), list(batch.values()))
                     except Exception as e:  # every sequence of the pass was rolled back: each thread raises it
                         outs = [e] * len(batch)
-                    if others and self.release is not None:  # the next pass may be led by another thread
-                        self.release()
+                    if others:  # the next pass may be led by another thread
+                        self._release()
                     with self._cv:
                         self._done.update(zip(batch, outs))
             finally:
                 self._cv.acquire()
         finally:
-            self._running = False
+            self._busy = False
+            self._running = set()
             self._cv.notify_all()
 
     def leave(self, seqs: list[Sequence]) -> None:

@@ -2,6 +2,7 @@
 its own cache, give the same bits as each run alone (the reference here: solo `forward` and solo
 `generate` on the same backend), through a wrapping ring, with every cache kind."""
 from functools import lru_cache
+import time
 
 import numpy as np
 import pytest
@@ -161,7 +162,8 @@ def test_threads_on_one_llm_are_batched_and_each_gets_its_solo_text(model, monke
     rows, inner = [], llm.model.forward
 
     def forward(ids, pos, cache, last_only=True):
-        rows.append(len(ids) if isinstance(cache, BatchCache) else 1)  # sequences in the pass
+        # sequences in the pass, and the thread that ran it
+        rows.append((len(ids) if isinstance(cache, BatchCache) else 1, threading.current_thread().name))
         return inner(ids, pos, cache, last_only=last_only)
 
     monkeypatch.setattr(llm.model, "forward", forward)
@@ -177,7 +179,13 @@ def test_threads_on_one_llm_are_batched_and_each_gets_its_solo_text(model, monke
     for t in threads:
         t.join(timeout=300)
     assert got == want
-    assert max(rows) >= 3  # passes held several threads' sequences
+    assert max(r for r, _ in rows) >= 3  # passes held several threads' sequences
+    # those passes ran on the scheduler's one worker thread (one OpenMP pool), which ends with them
+    assert {name for r, name in rows if r > 1} == {"edgekv-batcher"}
+    deadline = time.monotonic() + 10
+    while any(t.name == "edgekv-batcher" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name == "edgekv-batcher" for t in threading.enumerate())
 
 
 def test_a_session_in_one_thread_and_generate_in_another():
@@ -198,6 +206,49 @@ def test_a_session_in_one_thread_and_generate_in_another():
     got["gen"] = solo(llm, PROMPTS[0], max_tokens=40, temperature=0.0)
     t.join(timeout=300)
     assert got == {"chat": want_chat, "gen": want_gen}
+
+
+def test_ctrl_c_while_the_worker_runs_the_pass_leaves_every_sequence_whole(monkeypatch):
+    # Ctrl-C lands in the main thread wherever it happens to be (often waiting for the worker's
+    # pass that holds its token): the pass ends first, nothing of it is left behind, the other
+    # thread's text is its solo text and the next generate is the solo one again
+    import signal
+    import threading
+
+    llm = llm_for("llama", "cpu", "int8", 64)
+    want_other = solo(llm, PROMPTS[1], max_tokens=150, temperature=0.0)
+    want_main = solo(llm, PROMPTS[0], max_tokens=12, temperature=0.0)
+    got, third, inner = {}, threading.Event(), llm.model.forward
+
+    def forward(ids, pos, cache, last_only=True):  # the worker's batched passes take a while
+        if isinstance(cache, BatchCache):
+            time.sleep(0.02)
+        return inner(ids, pos, cache, last_only=last_only)
+
+    monkeypatch.setattr(llm.model, "forward", forward)
+
+    def other():
+        got["other"] = solo(llm, PROMPTS[1], max_tokens=150, temperature=0.0)
+
+    def interrupt():
+        third.wait(60)
+        time.sleep(0.002)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    t, k = threading.Thread(target=other), threading.Thread(target=interrupt)
+    t.start()
+    k.start()
+    with pytest.raises(KeyboardInterrupt):
+        for i, _ in enumerate(llm.generate(PROMPTS[0], max_tokens=150, temperature=0.0)):
+            if i == 3:
+                third.set()
+            if i > 3:
+                time.sleep(0.001)  # the interrupt lands in this loop at the latest
+    k.join()
+    t.join(timeout=300)
+    assert got["other"] == want_other
+    assert solo(llm, PROMPTS[0], max_tokens=12, temperature=0.0) == want_main
+    assert not llm.batcher._pending and not llm.batcher._done
 
 
 def test_generate_many_cancelled_like_generate():
