@@ -39,7 +39,7 @@ from edgekv.kvkinds import GROUP, KINDS as _SPEC, KV_KINDS as KINDS, hadamard_bl
 from .evict import _score_update
 from .ops import _expf, _rope_token
 from .simd import deq32_f16 as _deq32_f16, deq32_f16_eo as _deq32_f16_eo, deq32_i4 as _deq32_i4, deq32_i8 as _deq32_i8
-from .simd import narrow as _narrow, widen as _widen
+from .simd import ld, narrow as _narrow, shuffler, shuffler2, splat, st, vadd, vmul, vsub, widen as _widen
 
 
 # Work (n_query * n_head * n_slot * head_dim) from which attention runs on the thread pool;
@@ -76,23 +76,41 @@ def kv_arrays(kind: str, cap: int, n_head_kv: int, head_dim: int) -> tuple[np.nd
 # --- scalar helpers -------------------------------------------------------------------
 
 
+# butterflies of span h < 16 inside one vector of 16 lanes: lane j's partner is lane j ^ h; lanes
+# with bit h clear take a + c (x[j] + x[j + h]), the others a - c (x[j - h] - x[j])
+_FLIP1, _FLIP2, _FLIP4, _FLIP8 = (shuffler(*[j ^ h for j in range(16)]) for h in (1, 2, 4, 8))
+_PICK1, _PICK2, _PICK4, _PICK8 = (shuffler2(*[j + 16 * (j & h > 0) for j in range(16)]) for h in (1, 2, 4, 8))
+
+
 @njit(inline="always", **_KERNEL)
 def _fwht(x, B):
     """Normalized Walsh-Hadamard transform in place on each block of B values of x (hd,)
-    float32 (Sylvester order, the explicit matrix H_2n = [[H, H], [H, -H]] / sqrt(2))."""
+    float32, C-contiguous (Sylvester order, the explicit matrix H_2n = [[H, H], [H, -H]] /
+    sqrt(2)). B >= 32 (hadamard_block). Each value goes through the butterflies h = 1, 2, 4 ..
+    in order, each one float add or subtract, then one multiply: the scalar loop's bits,
+    16 lanes at a time (the spans below 16 by lane shuffles within a vector)."""
     hd = x.shape[0]
-    h = 1
+    for i in range(0, hd, 16):
+        v = ld(x, i, 16)
+        p = _FLIP1(v)
+        v = _PICK1(vadd(v, p), vsub(p, v))
+        p = _FLIP2(v)
+        v = _PICK2(vadd(v, p), vsub(p, v))
+        p = _FLIP4(v)
+        v = _PICK4(vadd(v, p), vsub(p, v))
+        p = _FLIP8(v)
+        st(x, i, _PICK8(vadd(v, p), vsub(p, v)))
+    h = 16
     while h < B:  # a butterfly over all of x at once: B divides hd, so blocks stay apart
         for b0 in range(0, hd, 2 * h):
-            for j in range(b0, b0 + h):
-                a = x[j]
-                c = x[j + h]
-                x[j] = a + c
-                x[j + h] = a - c
+            for j in range(b0, b0 + h, 16):
+                a, c = ld(x, j, 16), ld(x, j + h, 16)
+                st(x, j, vadd(a, c))
+                st(x, j + h, vsub(a, c))
         h *= 2
-    s = np.float32(1.0 / math.sqrt(B))
-    for j in range(hd):
-        x[j] *= s
+    s = splat(np.float32(1.0 / math.sqrt(B)), 16)
+    for i in range(0, hd, 16):
+        st(x, i, vmul(ld(x, i, 16), s))
 
 
 # --- row (de)quantizers ---------------------------------------------------------------

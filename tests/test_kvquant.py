@@ -168,6 +168,29 @@ def test_hadamard_matches_matrix_and_is_orthonormal(hd):
     assert kq.hadamard_block(hd) == min(hd & -hd, 256)
 
 
+def butterflies(x: np.ndarray) -> np.ndarray:
+    """The transform in float32 as the scalar loop does it (a plain implementation): butterflies
+    h = 1, 2, 4 .. each one add or subtract per value, then times float32(1 / sqrt(B))."""
+    y = x.astype(np.float32).copy()
+    hd = y.shape[-1]
+    B = min(hd & -hd, 256)
+    h = 1
+    while h < B:
+        for b0 in range(0, hd, 2 * h):
+            a, c = y[..., b0 : b0 + h].copy(), y[..., b0 + h : b0 + 2 * h].copy()
+            y[..., b0 : b0 + h], y[..., b0 + h : b0 + 2 * h] = a + c, a - c
+        h *= 2
+    return y * np.float32(1.0 / np.sqrt(B))
+
+
+@pytest.mark.parametrize("hd", [32, 64, 96, 128, 256, 384, 512])
+def test_hadamard_has_the_plain_butterflies_bits(hd):
+    # the kernel shuffles lanes for spans below 16: each value must still see the same float
+    # operations in the same order (a query rotated in one kernel meets keys rotated in another)
+    x = np.random.default_rng(hd + 1).standard_normal((7, hd)).astype(np.float32) * np.float32(3.7)
+    np.testing.assert_array_equal(kq.hadamard_(x.copy()), butterflies(x))
+
+
 def test_hadamard_parallel_path(monkeypatch):
     monkeypatch.setattr(kq, "KV_HADAMARD_PAR_MIN", 0)
     x = np.random.default_rng(1).standard_normal((40, 128)).astype(np.float32)
