@@ -436,7 +436,7 @@ def _make_float_fn(name, doc):
     def fn(typingctx, a):
         def codegen(context, builder, sig, args):
             f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(args[0].type, [args[0].type]),
-                                               f"llvm.{name}.v{a.n}f32")
+                                               f"llvm.{name}.v{a.n}f{a.dtype.bitwidth}")
             return builder.call(f, [args[0]])
 
         return a(a), codegen
@@ -455,6 +455,16 @@ def vmax(typingctx, a, b):
 
     def codegen(context, builder, sig, args):
         return builder.select(builder.fcmp_ordered(">", args[0], args[1], flags=_FAST), args[0], args[1])
+
+    return a(a, b), codegen
+
+
+@intrinsic
+def vmin(typingctx, a, b):
+    """Lane-wise minimum (float lanes; no NaN handling)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered("<", args[0], args[1], flags=_FAST), args[0], args[1])
 
     return a(a, b), codegen
 
