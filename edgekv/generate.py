@@ -306,6 +306,7 @@ class Batcher:
         with self._cv:
             for s in seqs:
                 self._owner.pop(s, None)
+            self._led.discard(threading.get_ident())  # generate.leave gives this thread's pool back next
             self._cv.notify_all()
 
 
