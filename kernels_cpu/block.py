@@ -88,7 +88,7 @@ def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layers, ats, 
 def _attend(qkv3, q_pos, q_norm, k_norm, eps, rope, layers, ats, scale, par, softcap, a):
     # a batch's tokens side by side, each attending over its own cache with one thread: a
     # short context's attention is a serial ~10-25 us, most of it fixed cost, so one token at
-    # a time left the other cores idle for a third of a SmolLM2 batch step. One token (or one
+    # a time left the other cores idle (bench/RESULTS.md, "Batches"). One token (or one
     # thread) keeps the attention's own split over the keys. The bits are the same either way
     # (kvquant._attn_core splits by the problem, never by the thread count).
     n = a.shape[0]

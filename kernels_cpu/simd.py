@@ -449,24 +449,22 @@ vabs = _make_float_fn("fabs", "|a| (float lanes)")
 vrint = _make_float_fn("rint", "a rounded to the nearest integer, ties to even (float lanes; np.rint)")
 
 
-@intrinsic
-def vmax(typingctx, a, b):
-    """Lane-wise maximum (float lanes; no NaN handling)."""
+def _pick_by(cmp, doc):
+    """An intrinsic f(a, b): lane-wise a where a `cmp` b holds, else b (float lanes; no NaN handling)."""
 
-    def codegen(context, builder, sig, args):
-        return builder.select(builder.fcmp_ordered(">", args[0], args[1], flags=_FAST), args[0], args[1])
+    @intrinsic
+    def pick(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            return builder.select(builder.fcmp_ordered(cmp, args[0], args[1], flags=_FAST), args[0], args[1])
 
-    return a(a, b), codegen
+        return a(a, b), codegen
+
+    pick.__doc__ = doc
+    return pick
 
 
-@intrinsic
-def vmin(typingctx, a, b):
-    """Lane-wise minimum (float lanes; no NaN handling)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.select(builder.fcmp_ordered("<", args[0], args[1], flags=_FAST), args[0], args[1])
-
-    return a(a, b), codegen
+vmax = _pick_by(">", "Lane-wise maximum (float lanes; no NaN handling).")
+vmin = _pick_by("<", "Lane-wise minimum (float lanes; no NaN handling).")
 
 
 def _tree(builder, x, n, combine):

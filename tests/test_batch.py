@@ -1,8 +1,8 @@
 """Batched decode (issue 17): several sequences in one forward pass, each at its own position in
 its own cache, give the same bits as each run alone (the reference here: solo `forward` and solo
 `generate` on the same backend), through a wrapping ring, with every cache kind."""
-from functools import lru_cache
 import time
+from functools import lru_cache
 
 import numpy as np
 import pytest
