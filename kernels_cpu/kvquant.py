@@ -479,13 +479,17 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
         if src == 2:  # fresh keys (ascending positions) at sink positions: the first batch's
             while n_sink_t < nt and 0 <= fpos[t0 + n_sink_t] < n_sink:
                 n_sink_t += 1
-        # skip tiles no query of the block sees (empty, future, outside the window)
+        # skip tiles no query of the block sees (empty, future, outside the window; ring slots
+        # read from their exact copy by every query, as the whole ring is early in a context:
+        # a slot exact for the latest query is exact for all). A skipped tile is one whose
+        # queries would all take `nv == 0` below: the same bits, without its loads.
         anyv = False
         for jj in range(nt):
             kp = pos[t0 + jj] if src == 0 else (rpos[t0 + jj] if src == 1 else fpos[t0 + jj])
             if kp >= 0 and kp <= qmax and (window == 0 or jj < n_sink_t or qmin - kp < window):
-                anyv = True
-                break
+                if src != 0 or not ((qmax - kp < recent and kp >= exact_lo) or kp < n_first):
+                    anyv = True
+                    break
         if not anyv:
             continue
         if src == 0:
