@@ -6,10 +6,17 @@ each rep, so a 4K depth is prefilled once, not once a rep). Random token ids, no
 The two runtimes run interleaved, rep by rep, so a noisy machine hits both alike. With
 `background_load=N`, every rep runs once quiet and once beside N busy processes (a desktop
 where other programs use the cores), so the two conditions are measured side by side too.
+
+A decode row's bandwidth figures: `bandwidth_share` against the machine's read bandwidth measured
+once at the end (the best 128 MiB read of a 1 GiB array), and `share_of_weights_read` against a
+plain read of the very weight arrays a decode step reads, one pass right after each rep
+(kernels_cpu.membw.read_pass): the ceiling at the moment of the rep, on hosts whose bandwidth
+moves minute to minute.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -52,6 +59,7 @@ class Row:
     kv_bytes: int = 0
     weight_bytes_per_token: int = 0
     peak_rss: int = 0
+    reads: list[float] = field(default_factory=list)  # bytes/s of a plain read of the weights after each rep (tg)
 
     @property
     def mean(self) -> float:
@@ -123,6 +131,31 @@ def decode_weight_bytes(f) -> int:
     return total
 
 
+def decode_arrays(model) -> list[np.ndarray]:
+    """The weight arrays a decode step of `model` reads, each once, as its CPU backend holds them
+    (GGUF rows mapped, or a repacked copy): every layer's matrices and the output matrix, not the
+    embedding table (one row a token) unless the output is tied to it."""
+    from .kernels_cpu.qmatmul import QWeight
+
+    seen: dict[int, np.ndarray] = {}
+
+    def visit(v) -> None:
+        if isinstance(v, QWeight):
+            for a in v.ws:
+                if a.size:
+                    seen.setdefault(id(a), a)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x)
+        elif dataclasses.is_dataclass(v):
+            for f in dataclasses.fields(v):
+                visit(getattr(v, f.name))
+
+    visit(model.layers)
+    visit(model.output)
+    return list(seen.values())
+
+
 class EdgekvRunner:
     name = "edgekv"
 
@@ -135,6 +168,13 @@ class EdgekvRunner:
 
     def kv_bytes(self) -> int:
         return self.llm.new_cache().nbytes
+
+    def read_weights(self) -> float:
+        """Bytes/s of one plain read of the weights a decode step reads (kernels_cpu.membw.read_pass)."""
+        from .kernels_cpu.membw import read_pass
+
+        n, s = read_pass(decode_arrays(self.llm.model))
+        return n / s
 
     def at_depth(self, depth: int, rng: np.random.Generator):
         """A cache holding `depth` random tokens: the last one trimmed back, else filled anew."""
@@ -245,6 +285,7 @@ def plan(prompt: list[int], gen: list[int], depths: list[int], kvs: list[str], t
 def _run_setup(runners, tests, reps, bg, bar, rng, wbytes) -> list[Row]:
     """Every test of one (cache, threads) setup, the runners interleaved rep by rep."""
     rows = []
+    reader = next((r for r in runners if isinstance(r, EdgekvRunner)), None)
     for group in tests.values():
         row_set = {c.load: [Row(c, r.name, kv_bytes=r.kv_bytes(), weight_bytes_per_token=wbytes)
                             for r in runners] for c in group}
@@ -256,6 +297,12 @@ def _run_setup(runners, tests, reps, bg, bar, rng, wbytes) -> list[Row]:
                         if rep:
                             row.samples.append(tps)
                         bar.update(1 if rep else len(group))
+                    if rep and c.test.startswith("tg") and reader is not None:
+                        # the decode's ceiling at this moment: the same bytes read plainly, right after
+                        # (a host's bandwidth moves minute to minute; one figure at the end is another moment)
+                        bw = reader.read_weights()
+                        for row in row_set[c.load]:
+                            row.reads.append(bw)
         for rs in row_set.values():
             for row in rs:
                 row.peak_rss = peak_rss_bytes()
@@ -336,6 +383,9 @@ def to_records(result: dict) -> list[dict]:
         if c.test.startswith("tg"):
             gbs = row.weight_bytes_per_token * row.mean / 1e9
             rec.update(weight_gb_per_s=round(gbs, 2), bandwidth_share=round(gbs * 1e9 / bw, 3))
+            if row.reads:  # against plain reads of the same weights, one after each of its reps
+                read = statistics.fmean(row.reads)
+                rec.update(weights_read_gb_per_s=round(read / 1e9, 2), share_of_weights_read=round(gbs * 1e9 / read, 3))
         rec.update(kv_mib=round(row.kv_bytes / 2**20, 1), peak_rss_mib=round(row.peak_rss / 2**20, 1))
         ref = base.get((c.name, c.kv, c.threads, c.auto, c.load))
         if ref and row.runtime == "edgekv":
@@ -358,7 +408,7 @@ def format_table(result: dict, fmt: str = "md") -> str:
                            "cpu_kernels": kernel_paths(),
                            "rows": recs}, indent=2)
     cols = ["test", "kv", "threads", "runtime", "load", "tokens_per_s", "stddev", "weight_gb_per_s",
-            "bandwidth_share", "kv_mib", "peak_rss_mib", "ratio_vs_llama_cpp", "ratio_vs_quiet"]
+            "bandwidth_share", "weights_read_gb_per_s", "share_of_weights_read", "kv_mib", "peak_rss_mib", "ratio_vs_llama_cpp", "ratio_vs_quiet"]
     cols = [c for c in cols if any(c in r for r in recs)]
     if fmt == "csv":
         lines = [",".join(cols)] + [",".join(str(r.get(c, "")) for c in cols) for r in recs]

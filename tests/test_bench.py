@@ -27,8 +27,49 @@ def test_bench_table_and_json(tmp_path, capsys):
         assert r["kv_mib"] >= 0 and r["peak_rss_mib"] > 0  # kv_mib: a tiny cache rounds to 0.0 MiB
         decode = r["test"].startswith("tg")
         assert ("bandwidth_share" in r) == decode and ("weight_gb_per_s" in r) == decode
+        assert ("share_of_weights_read" in r) == decode and ("weights_read_gb_per_s" in r) == decode
         if decode:  # rounded to 3 places: a tiny model's share is 0.0 even when measured
             assert r["bandwidth_share"] >= 0 and r["weight_gb_per_s"] >= 0
+            assert r["weights_read_gb_per_s"] > 0 and r["share_of_weights_read"] >= 0
+
+
+def test_decode_arrays_are_the_matrices_once(tmp_path):
+    """The plain read a decode is compared against covers what a decode step reads: every matrix
+    of every layer and the output once (a tied output: the embedding table once), nothing else."""
+    import numpy as np
+
+    from edgekv import LLM
+    from edgekv.bench import decode_arrays
+    from edgekv.gguf_file import GGUFFile
+    from edgekv.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "t.gguf", arch="llama", size="tiny", qtype="q4_0", progress=False)
+    f = GGUFFile(path)
+    want = sum(t.nbytes for name, t in f.tensors.items() if len(t.shape) == 2 and name != "token_embd.weight")
+    if "output.weight" not in f.tensors:
+        want += f.tensors["token_embd.weight"].nbytes
+    f.close()
+    arrays = decode_arrays(LLM(path, n_ctx=16).model)
+    assert len({id(a) for a in arrays}) == len(arrays) and all(isinstance(a, np.ndarray) for a in arrays)
+    assert sum(a.nbytes for a in arrays) == want
+
+
+def test_read_bytes_sums_every_part():
+    """membw's plain read: each thread's contiguous part summed as 64 wrapping byte lanes (numpy's
+    sums of the same bytes); the bytes it reports are the parts' whole 256-byte steps."""
+    import numpy as np
+
+    from edgekv.kernels_cpu import membw
+
+    a = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
+    for chunks in (1, 2, 3):
+        sink = np.empty((chunks, 64), np.uint8)
+        n = membw._read_bytes(a, chunks, sink)
+        step = a.size // chunks // 256 * 256
+        assert n == chunks * step
+        for c in range(chunks):
+            part = a[c * step : (c + 1) * step].reshape(-1, 64)
+            assert (sink[c] == part.sum(axis=0, dtype=np.uint64) % 256).all()
 
 
 def test_perplexity_json(tmp_path, capsys):
