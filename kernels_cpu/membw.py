@@ -10,47 +10,11 @@ from numba import njit, prange
 from . import simd
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def _read_all(a, n_chunks):
-    # a: (n,) float32 summed by n_chunks contiguous chunks with 4 explicit 16-lane accumulators:
-    # wide loads back to back, as the matvec kernels issue them. (A plain `s += a[i]` loop
-    # reads at a fraction of this: numba leaves it scalar or gathers.)
-    part = np.zeros(n_chunks, np.float32)
-    step = a.size // n_chunks // 64 * 64
-    for c in prange(n_chunks):
-        a0 = simd.splat(np.float32(0), 16)
-        a1, a2, a3 = a0, a0, a0
-        i = c * step
-        while i < c * step + step:
-            a0 = simd.vadd(a0, simd.ld(a, i, 16))
-            a1 = simd.vadd(a1, simd.ld(a, i + 16, 16))
-            a2 = simd.vadd(a2, simd.ld(a, i + 32, 16))
-            a3 = simd.vadd(a3, simd.ld(a, i + 48, 16))
-            i += 64
-        part[c] = simd.hsum(simd.vadd(simd.vadd(a0, a1), simd.vadd(a2, a3)))
-    return part.sum()
-
-
-def read_bandwidth(nbytes: int = 1 << 30, part: int = 128 << 20, reps: int = 16) -> float:
-    """Best bytes/s of parallel reads (numba's current thread count) of `part`-byte slices taken
-    in turn from an nbytes array: short timings like the decode calls, never cache-resident."""
-    a = np.ones(nbytes // 4, np.float32)
-    chunks = numba.get_num_threads()
-    _read_all(a[: 1 << 16], chunks)
-    n = part // 4
-    best = float("inf")
-    for r in range(reps):
-        s = a[(r % (a.size // n)) * n :][:n]
-        t = time.perf_counter()
-        _read_all(s, chunks)
-        best = min(best, time.perf_counter() - t)
-    return chunks * (n // chunks // 64 * 64) * 4 / best
-
-
 @njit(cache=True, parallel=True)
 def _read_bytes(a, n_chunks, sink):
     # a: (n,) uint8, any bits (weights), read in n_chunks contiguous parts of whole 256-byte
-    # steps, 4 wide integer loads a step; each part's sum (64 wrapping byte lanes) in sink[c]
+    # steps, 4 wide integer loads a step, back to back as the matvec kernels issue them (a plain
+    # `s += a[i]` loop reads at a fraction of this); each part's sum (64 wrapping byte lanes) in sink[c]
     step = a.size // n_chunks // 256 * 256
     for c in prange(n_chunks):
         a0 = simd.splat(np.uint8(0), 64)
@@ -74,8 +38,25 @@ def read_pass(arrays) -> tuple[int, float]:
     chunks = numba.get_num_threads()
     sink = np.empty((chunks, 64), np.uint8)
     flat = [a.reshape(-1).view(np.uint8) for a in arrays if a.size]
-    _read_bytes(flat[0][:256 * chunks], chunks, sink) if flat else None  # compiled before the clock
+    if flat:
+        _read_bytes(flat[0][: 256 * chunks], chunks, sink)  # compiled (or loaded) before the clock
     total, t = 0, time.perf_counter()
     for a in flat:
         total += _read_bytes(a, chunks, sink)
     return total, time.perf_counter() - t
+
+
+def read_bandwidth(nbytes: int = 1 << 30, part: int = 128 << 20, reps: int = 16) -> float:
+    """Best bytes/s of parallel reads (numba's current thread count) of `part`-byte slices taken
+    in turn from an nbytes array: short timings like the decode calls, never cache-resident."""
+    a = np.ones(nbytes, np.uint8)
+    chunks = numba.get_num_threads()
+    sink = np.empty((chunks, 64), np.uint8)
+    _read_bytes(a[: 1 << 16], chunks, sink)
+    best, got = float("inf"), 0
+    for r in range(reps):
+        s = a[(r % (nbytes // part)) * part :][:part]
+        t = time.perf_counter()
+        got = _read_bytes(s, chunks, sink)
+        best = min(best, time.perf_counter() - t)
+    return got / best
