@@ -408,7 +408,8 @@ def format_table(result: dict, fmt: str = "md") -> str:
                            "cpu_kernels": kernel_paths(),
                            "rows": recs}, indent=2)
     cols = ["test", "kv", "threads", "runtime", "load", "tokens_per_s", "stddev", "weight_gb_per_s",
-            "bandwidth_share", "weights_read_gb_per_s", "share_of_weights_read", "kv_mib", "peak_rss_mib", "ratio_vs_llama_cpp", "ratio_vs_quiet"]
+            "bandwidth_share", "weights_read_gb_per_s", "share_of_weights_read", "kv_mib", "peak_rss_mib",
+            "ratio_vs_llama_cpp", "ratio_vs_quiet"]
     cols = [c for c in cols if any(c in r for r in recs)]
     if fmt == "csv":
         lines = [",".join(cols)] + [",".join(str(r.get(c, "")) for c in cols) for r in recs]
