@@ -56,7 +56,7 @@ _FLOAT_TYPES = qt.FLOAT_TYPES
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
 _PF = 4096  # decode: bytes of weights prefetched ahead (1024 streamed at 0.89x of 4096 in a 7B model)
-_PF_X16 = 8192  # the same for the X16 layouts (7B-sized matvecs, 2 threads: 4096 streamed at ~0.85x)
+_PF_X16 = 8192  # the same for the X16 layouts, 2 or more tokens (4096 streamed at ~0.85x); none for one
 # Q4_KX16: 4096 ahead for 2 or more tokens (one 11008 x 4096 matrix streamed at 2 threads: 2 tokens
 # 16 -> 34 GB/s), none for one (26 with, 28-30 without, as the GGUF rows' 29-30)
 _PF_K4X16 = 4096
@@ -541,8 +541,9 @@ def _x16_pass(w, g0, nb, qtype, xq, k, xd, xsum, xoff, t, nt, out, c):
     e0, e1, e2, e3, o0, o1, o2, o3 = z, z, z, z, z, z, z, z
     for u in range(nb // 2):
         o = g0 + unit * u
-        for p in range(0, unit, 64):
-            prefetch(w, o + _PF_X16 + p)
+        if nt > 1:  # one token streams a little faster without (bench/RESULTS.md), as Q4_KX16's
+            for p in range(0, unit, 64):
+                prefetch(w, o + _PF_X16 + p)
         e0, e1, e2, e3 = _x16_half(w, o, 0, qb, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u, nt, e0, e1, e2, e3)
         o0, o1, o2, o3 = _x16_half(w, o, 1, qb, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u + 1, nt, o0, o1, o2, o3)
     _x16_store(out, t, c, vadd(e0, o0))
