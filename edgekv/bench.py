@@ -165,6 +165,7 @@ class EdgekvRunner:
         self.llm = LLM(path, n_ctx=ring or n_ctx, kv=kv, threads=threads, evict=evict)
         self.vocab = self.llm.cfg.n_vocab
         self.filled = (-1, None)  # (depth, the cache holding it)
+        self._weights = None  # decode_arrays, at the first read_weights
 
     def kv_bytes(self) -> int:
         return self.llm.new_cache().nbytes
@@ -173,7 +174,9 @@ class EdgekvRunner:
         """Bytes/s of one plain read of the weights a decode step reads (kernels_cpu.membw.read_pass)."""
         from .kernels_cpu.membw import read_pass
 
-        n, s = read_pass(decode_arrays(self.llm.model))
+        if self._weights is None:  # found once: the model holds the same arrays for its life
+            self._weights = decode_arrays(self.llm.model)
+        n, s = read_pass(self._weights)
         return n / s
 
     def at_depth(self, depth: int, rng: np.random.Generator):

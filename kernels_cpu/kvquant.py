@@ -424,6 +424,14 @@ def kv_load(kind: str, q_arr: np.ndarray, scale_arr: np.ndarray | None, slots: n
 # partial softmaxes, so both threads work even when Hkv = 1.
 
 
+@njit(inline="always", **_KERNEL)
+def _is_exact(qp, kp, recent, exact_lo, n_first):
+    """Whether a query at qp reads the key at kp from its exact copy (kv_attention's rule): the
+    first n_first positions, and the last `recent` before qp from exact_lo on. Once true for a
+    query, true for every earlier one."""
+    return (qp - kp < recent and kp >= exact_lo) or kp < n_first
+
+
 @njit(**_KERNEL)
 def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk, fv, fpos, scale, window, perm,
                 i0, i1, g, j0, j1, n_ring, X, acc, m, l):
@@ -481,13 +489,13 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
                 n_sink_t += 1
         # skip tiles no query of the block sees (empty, future, outside the window; ring slots
         # read from their exact copy by every query, as the whole ring is early in a context:
-        # a slot exact for the latest query is exact for all). A skipped tile is one whose
+        # exact for the latest query, exact for all). A skipped tile is one whose
         # queries would all take `nv == 0` below: the same bits, without its loads.
         anyv = False
         for jj in range(nt):
             kp = pos[t0 + jj] if src == 0 else (rpos[t0 + jj] if src == 1 else fpos[t0 + jj])
             if kp >= 0 and kp <= qmax and (window == 0 or jj < n_sink_t or qmin - kp < window):
-                if src != 0 or not ((qmax - kp < recent and kp >= exact_lo) or kp < n_first):
+                if src != 0 or not _is_exact(qmax, kp, recent, exact_lo, n_first):
                     anyv = True
                     break
         if not anyv:
@@ -522,7 +530,7 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
                 # the first n_first positions, and the last `recent` ones from exact_lo on,
                 # are read from their exact copy (recent slots or fresh keys) and hidden in
                 # the quantized ring
-                exact = (qp - kp < recent and kp >= exact_lo) or kp < n_first
+                exact = _is_exact(qp, kp, recent, exact_lo, n_first)
                 if src == 0:
                     vis = vis and not exact
                 elif src == 1 or not fresh_all:
