@@ -501,6 +501,22 @@ def fma(typingctx, a, b, c):
 
 
 @intrinsic
+def fma_kept(typingctx, a, b, c):
+    """a * b + c rounded once (llvm.fma): LLVM may neither reassociate it nor choose which product
+    of a sum to fuse, so a kernel inlined in another loop keeps its bits (see vmul_kept)."""
+    if not (isinstance(a, Vec) and a == b == c and isinstance(a.dtype, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ty = args[0].type
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]),
+                                            f"llvm.fma.v{ty.count}{'f32' if str(ty.element) == 'float' else 'f64'}")
+        return builder.call(fn, list(args))
+
+    return a(a, b, c), codegen
+
+
+@intrinsic
 def cat(typingctx, a, b):
     """Concatenation of two Vecs of the same type."""
     vt = Vec(a.dtype, 2 * a.n)
