@@ -47,7 +47,7 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
 from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, fma, fma_kept, hmax, hsum, lane, ld,
                    ld_f16, madd, madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd,
-                   vmax, vmul, vmul_kept, vrint, vsub, h2f, vand, view, vshr, vxor, word)
+                   vmax, vmul, vmul_kept, vrint, vsub, h2f, vand, view, vshr, vxor, word, ZEN)
 
 SUPPORTED = qt.CPU_TYPES
 _FLOAT_TYPES = qt.FLOAT_TYPES
@@ -56,6 +56,11 @@ _FLOAT_TYPES = qt.FLOAT_TYPES
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
 _PF = 4096  # decode: bytes of weights prefetched ahead (1024 streamed at 0.89x of 4096 in a 7B model)
+# K-type GGUF rows (_dot_k): none on AMD Zen, whose own prefetcher keeps up with a row's stream
+# there, while software prefetch on top held Q6_K back (11008 x 4096, 2 threads, the host's fast
+# minutes: 47.5 GB/s without, 39.5 with, plain read 53; the same ~32 in its slow minutes); on
+# Sapphire Rapids the hardware prefetcher stops at each 4 KiB page (12-16 GB/s without, 24-26 with).
+_PF_K = 0 if ZEN else _PF
 _PF_X16 = 8192  # the same for the X16 layouts, 2 or more tokens (4096 streamed at ~0.85x); none for one
 # Q4_KX16: 4096 ahead for 2 or more tokens (one 11008 x 4096 matrix streamed at 2 threads: 2 tokens
 # 16 -> 34 GB/s), none for one (26 with, 28-30 without, as the GGUF rows' 29-30)
@@ -413,14 +418,15 @@ def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has
     # after d) sums and mins share one FMA. 512-bit products, 64 weights each: chunk pairs
     # (pair(w, o, i)), or `nib` (Q4_K, Q5_K) the halves of _quad_q4_k with sc one lane per 32.
     # `wide` (IQ4_XS): float scales, one FMA per 128 weights, the offset in xoff. The weight
-    # stream is prefetched _PF bytes ahead (the hardware prefetcher stops at each 4 KiB page).
+    # stream is prefetched _PF_K bytes ahead (where the hardware prefetcher stops at each page).
     acc = splat(f32(0), 8)
     dacc = splat(f32(0), 16)
     fa = splat(f32(0), 16)
     for b in range(nb):
         o = ro + b * nbytes
-        for p in range(0, nbytes, 64):
-            prefetch(w, o + _PF + p)
+        if _PF_K:
+            for p in range(0, nbytes, 64):
+                prefetch(w, o + _PF_K + p)
         d, dmin, sc, mn = scales(w, o)
         xb = xo + 256 * b
         xdb = at(xd, bo + b)

@@ -27,6 +27,10 @@ try:  # what numba compiles for: the host CPU
     _FEATURES = dict(llvm.get_host_cpu_features())
 except RuntimeError:  # LLVM cannot tell on some hosts: generic code only
     _FEATURES = {}
+try:
+    ZEN = llvm.get_host_cpu_name().startswith("znver")  # AMD Zen: see qmatmul._PF_K
+except RuntimeError:
+    ZEN = False
 # Use the hardware half->float conversion (vcvtph2ps, fcvt) where LLVM lowers it inline.
 _machine = platform.machine().lower()
 _NATIVE_F16 = (_machine in ("x86_64", "amd64") and bool(_FEATURES.get("f16c"))) or _machine in ("arm64", "aarch64")
