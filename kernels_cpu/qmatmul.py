@@ -56,15 +56,15 @@ _FLOAT_TYPES = qt.FLOAT_TYPES
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
 _PF = 4096  # decode: bytes of weights prefetched ahead (1024 streamed at 0.89x of 4096 in a 7B model)
+_PF_X16 = 8192  # the same for the X16 layouts, 2 or more tokens (4096 streamed at ~0.85x); none for one
+# Q4_KX16: 4096 ahead for 2 or more tokens (one 11008 x 4096 matrix streamed at 2 threads: 2 tokens
+# 16 -> 34 GB/s), none for one (26 with, 28-30 without, as the GGUF rows' 29-30)
+_PF_K4X16 = 4096
 # K-type GGUF rows (_dot_k): none on AMD Zen, whose own prefetcher keeps up with a row's stream
 # there, while software prefetch on top held Q6_K back (11008 x 4096, 2 threads, the host's fast
 # minutes: 47.5 GB/s without, 39.5 with, plain read 53; the same ~32 in its slow minutes); on
 # Sapphire Rapids the hardware prefetcher stops at each 4 KiB page (12-16 GB/s without, 24-26 with).
 _PF_K = 0 if ZEN else _PF
-_PF_X16 = 8192  # the same for the X16 layouts, 2 or more tokens (4096 streamed at ~0.85x); none for one
-# Q4_KX16: 4096 ahead for 2 or more tokens (one 11008 x 4096 matrix streamed at 2 threads: 2 tokens
-# 16 -> 34 GB/s), none for one (26 with, 28-30 without, as the GGUF rows' 29-30)
-_PF_K4X16 = 4096
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
 _TOK = 32
