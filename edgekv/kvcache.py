@@ -27,7 +27,10 @@ copying them: both map one frozen copy (edgekv/pages.py: OS pages as the blocks,
 at the first page either writes), so N chats restored from one cached system prompt hold one
 copy of it plus N tails, and a ring that wraps stops sharing just the pages it overwrites. Each
 ring counts `clean`, its leading slots still as in its frozen copy (place, trim, reset and
-load_state lower it), so freezing it again reuses those pages.
+load_state lower it), so freezing it again reuses those pages. A slot's keys, values and scales
+are one record (`rows`; k, v and the scales are views of it), so a chat writing past a shared
+prefix gets a page of its own in two arrays a layer (records, positions), not five: at
+SmolLM2's int4 rows that was most of a chat's own memory (bench/RESULTS.md).
 
 Several sequences in one batch (`BatchCache`): their tokens are stacked, so every matmul reads a
 weight once for all of them, and each layer of the batch is the sequences' own LayerKVs with the
@@ -73,6 +76,8 @@ from .kvkinds import GROUP, KINDS, KV_KINDS
 KV_BYTES_PER_VALUE = {name: k.bytes_per_value for name, k in KINDS.items()}
 # Every array of a layer's cache, as sessions save them.
 LAYER_ARRAYS = ("k", "v", "k_scale", "v_scale", "pos", "rk", "rv", "rpos", "mu", "kmul")
+SHARED = ("rows", "pos")  # the arrays of a slot's row each: what a fork shares (the records hold k, v and scales)
+EXACT = ("rk", "rv", "rpos", "mu", "kmul")  # the rest, a fixed size per layer: a fork copies them
 RECENT = 32  # tokens per layer kept exact (f16) beside an int ring (KIVI's residual)
 FIRST = 4  # and the first tokens (the attention sinks: the keys most attended to)
 
@@ -180,13 +185,15 @@ class LayerKV:
     of the first and the last positions (rk, rv, rpos)."""
 
     kind: str  # a name of edgekv.kvkinds.KINDS
-    k: np.ndarray  # f16 (cap, Hkv, hd) | int8 (cap, Hkv, hd) | uint8 (cap, Hkv, hd/2); int keys Hadamard-rotated
-    v: np.ndarray  # same layout as k (values are not rotated)
-    k_scale: np.ndarray  # f16 (cap, Hkv, hd/32); (1, 1, 1) unused for f16
-    v_scale: np.ndarray
+    # (cap + 1, record) uint8: slot j's keys, values and their scales (KVKind.views), one record a
+    # slot so that a chat past a shared prefix writes pages of one array, not four; the spare
+    # last record keeps the kernels' row windows (kvquant._window) inside the buffer
+    rows: np.ndarray
     pos: np.ndarray  # (cap,) int64, -1 = empty slot; slots from `fill` on are empty whatever they hold
     n_sink: int  # slots 0..n_sink-1 keep the first tokens forever
     window: int  # the model's sliding window for this layer (0 = global)
+    n_head_kv: int
+    head_dim: int
     n_written: int = 0  # tokens ever written (the ring's write cursor)
     recent: int = 0  # the last `recent` positions before a query are read exact (0 = off)
     first: int = 0  # and so are positions 0..first-1 (the sinks among them)
@@ -206,19 +213,30 @@ class LayerKV:
     # (capacity made with, tokens written past which it changes, capacity after) under an eviction
     # policy's lending (KVCache.set_policy); () none. Every layer of a cache changes in one batch.
     sizes: tuple = ()
+    # views of rows: f16 (cap, Hkv, hd) | int8 (cap, Hkv, hd) | uint8 (cap, Hkv, hd/2); int keys Hadamard-rotated
+    k: np.ndarray = field(init=False, repr=False, compare=False)
+    v: np.ndarray = field(init=False, repr=False, compare=False)  # same layout as k (values are not rotated)
+    k_scale: np.ndarray = field(init=False, repr=False, compare=False)  # f16 (cap, Hkv, hd/32); (1, 1, 1) for f16
+    v_scale: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        self.capacity = self.pos.shape[0]
         self.rotated = KINDS[self.kind].quantized  # keys stored Hadamard-rotated (queries too)
-        hd = KINDS[self.kind].per_element * self.v.shape[2]
+        self._view_rows()
+        hd = self.head_dim
         if self.rk is None:
-            shape = (self.first + self.recent, self.k.shape[1], hd)
+            shape = (self.first + self.recent, self.n_head_kv, hd)
             self.rk, self.rv = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
             self.rpos = np.full(shape[0], -1, np.int64)
         if self.mu is None:
-            self.mu = np.zeros((self.k.shape[1], hd), np.float32)
+            self.mu = np.zeros((self.n_head_kv, hd), np.float32)
         if self.kmul is None:
-            self.kmul = np.ones((self.k.shape[1], hd), np.float32)
+            self.kmul = np.ones((self.n_head_kv, hd), np.float32)
+
+    def _view_rows(self) -> None:
+        """k, v and the scales as views of rows (after rows or pos is replaced)."""
+        self.capacity = self.pos.shape[0]
+        self.k, self.v, self.k_scale, self.v_scale = KINDS[self.kind].views(
+            self.rows, self.capacity, self.n_head_kv, self.head_dim)
 
     # -- the protocol --------------------------------------------------------------------
     def plan(self, q_pos: np.ndarray) -> Plan:
@@ -354,12 +372,12 @@ class LayerKV:
             if victims is None:
                 raise ContextError(f"a {self.capacity}-token ring cannot give up {fill - cap} slots")
             keep = np.setdiff1d(keep, victims)
-        for name in self.slot_arrays:
+        for name in SHARED:
             a = getattr(self, name)
-            b = lazy_zeros((cap,) + a.shape[1:], a.dtype)
+            b = lazy_zeros((cap + (name == "rows"),) + a.shape[1:], a.dtype)
             b[: len(keep)] = a[keep]
             setattr(self, name, b)
-        self.capacity = cap
+        self._view_rows()
         if self.evictor is not None:
             self.evictor.resized(self, keep)
         self.frozen, self.clean, self.backend_state = None, 0, None
@@ -396,12 +414,12 @@ class LayerKV:
         shared (`frozen`; copied where pages.SUPPORTED is False), the exact rows, mu, kmul and
         the eviction policy's state copied; a backend's derived data is made again on first use."""
         shared = freeze([self])[0]
-        arrays = {name: shared[name].array() if shared else _copy(getattr(self, name), self.fill)
-                  for name in self.slot_arrays}
-        arrays.update({name: _copy(getattr(self, name), None) for name in LAYER_ARRAYS if name not in arrays})
-        twin = LayerKV(self.kind, n_sink=self.n_sink, window=self.window, n_written=self.n_written,
-                       recent=self.recent, first=self.first, exact_from=self.exact_from, frozen=shared,
-                       clean=self.fill if shared else 0, sizes=self.sizes, **arrays)
+        arrays = {name: shared[name].array() if shared else _copy(getattr(self, name), self.fill) for name in SHARED}
+        arrays.update({name: _copy(getattr(self, name), None) for name in EXACT})
+        twin = LayerKV(self.kind, n_sink=self.n_sink, window=self.window, n_head_kv=self.n_head_kv,
+                       head_dim=self.head_dim, n_written=self.n_written, recent=self.recent, first=self.first,
+                       exact_from=self.exact_from, frozen=shared, clean=self.fill if shared else 0, sizes=self.sizes,
+                       **arrays)
         twin.evictor = self.evictor.copy(twin) if self.evictor is not None else None  # evicts as this ring would
         return twin
 
@@ -411,6 +429,7 @@ class LayerKV:
         arrays = {name: f.array() for name, f in frozen.items()}
         for name, a in arrays.items():
             setattr(self, name, a)
+        self._view_rows()
         self.frozen, self.clean, self.backend_state = frozen, self.fill, None
 
     def adopt(self, other: "LayerKV") -> None:
@@ -485,7 +504,7 @@ class LayerKV:
         else:
             self.frozen, self.clean = None, 0
         for name in LAYER_ARRAYS:
-            if frozen is None or name not in frozen:
+            if frozen is None or name not in self.slot_arrays:  # frozen: the slot arrays are mapped
                 getattr(self, name)[: len(arrays[name])] = arrays[name]
         live = self.rpos[self.first:][self.rpos[self.first:] >= 0]
         self.exact_from = int(live.min()) if len(live) else -1
@@ -517,14 +536,14 @@ def freeze(layers: list[LayerKV]) -> list[dict | None]:
     todo = [lk for lk in layers if lk.frozen is None or lk.clean < lk.fill]
     items = []
     for lk in todo:
-        for name in lk.slot_arrays:
+        for name in SHARED:
             a = getattr(lk, name)
             row = a.nbytes // a.shape[0]
             items.append((a, lk.fill * row, (lk.frozen or {}).get(name), lk.clean * row))
     try:
         made = iter(pages.freeze(items))
         for lk in todo:
-            lk.map_frozen({name: next(made) for name in lk.slot_arrays})
+            lk.map_frozen({name: next(made) for name in SHARED})
     except OSError:  # out of descriptors or mappings: what is not frozen yet is copied instead
         pass
     return [lk.frozen if lk.frozen is not None and lk.clean >= lk.fill else None for lk in layers]
@@ -534,14 +553,21 @@ def take_frozen(layers: list[LayerKV], states: list[tuple]) -> None:
     """Each layer takes its `checked` state (n_written, arrays), the slot arrays frozen straight
     from the given ones into one file and mapped (a loaded prompt-cache file: one copy, shared
     by whatever adopts these layers later); copied in where pages cannot be shared."""
-    items = [(arrays[name], arrays[name].nbytes, None, 0, (lk.capacity_at(n),) + getattr(lk, name).shape[1:])
-             for lk, (n, arrays) in zip(layers, states) for name in lk.slot_arrays]
+    items = []
+    for lk, (n, arrays) in zip(layers, states):
+        m, cap = len(arrays["pos"]), lk.capacity_at(n)
+        rows = np.zeros((m, lk.rows.shape[1]), np.uint8)  # the filled slots' records, from the named arrays
+        for name, a in zip(("k", "v", "k_scale", "v_scale"), KINDS[lk.kind].views(rows, m, lk.n_head_kv, lk.head_dim)):
+            if name in lk.slot_arrays:
+                a[:] = arrays[name]
+        items += [(rows, rows.nbytes, None, 0, (cap + 1, rows.shape[1])), (arrays["pos"], arrays["pos"].nbytes, None, 0,
+                                                                           (cap,))]
     try:
         made = iter(pages.freeze(items)) if pages.SUPPORTED else None
     except OSError:
         made = None
     for lk, (n_written, arrays) in zip(layers, states):
-        lk.take_state(n_written, arrays, None if made is None else {name: next(made) for name in lk.slot_arrays})
+        lk.take_state(n_written, arrays, None if made is None else {name: next(made) for name in SHARED})
 
 
 def lazy_zeros(shape: tuple, dtype) -> np.ndarray:
@@ -566,23 +592,16 @@ def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: i
     if kind not in KINDS:
         raise EdgekvError(f"unknown KV cache type {kind!r} (choose {', '.join(KV_KINDS)})")
     spec = KINDS[kind]
-    if spec.quantized:
-        if head_dim % GROUP:
-            raise EdgekvError(f"{kind} KV cache needs head_dim a multiple of {GROUP}, this model has {head_dim}")
-        shape = (capacity, n_head_kv, spec.width(head_dim))
-        ks = lazy_zeros((capacity, n_head_kv, head_dim // GROUP), np.float16)
-        vs = lazy_zeros(ks.shape, ks.dtype)
-    else:
-        shape = (capacity, n_head_kv, head_dim)
-        ks = vs = np.zeros((1, 1, 1), np.float16)  # unused
-    k, v = lazy_zeros(shape, spec.dtype), lazy_zeros(shape, spec.dtype)
+    if spec.quantized and head_dim % GROUP:
+        raise EdgekvError(f"{kind} KV cache needs head_dim a multiple of {GROUP}, this model has {head_dim}")
+    rows = lazy_zeros((capacity + 1, spec.record(n_head_kv, head_dim)), np.uint8)
     n_sink = min(n_sink, capacity)
     # f16 is exact already. At most capacity - n_sink: a sink then is only ever read exact
     # before the ring wraps, while its query needs no counter-rotation (sink shift 0).
     recent = min(RECENT if recent is None else recent, capacity - n_sink) if spec.quantized else 0
     first = max(n_sink, FIRST) if recent else 0
     pos = lazy_zeros((capacity,), np.int64)  # no -1 fill: slots from `fill` on are empty anyway
-    return LayerKV(kind, k, v, ks, vs, pos, n_sink, window, recent=recent, first=first)
+    return LayerKV(kind, rows, pos, n_sink, window, n_head_kv, head_dim, recent=recent, first=first)
 
 
 def lend(layers: list[LayerKV], evict: str) -> None:

@@ -6,8 +6,8 @@ so they all read the one copy, and the first write to a page gives the writer a 
 (the OS's copy-on-write); the rest of each array is ordinary anonymous memory (lazy zeros). The
 OS pages are the blocks of PagedAttention, its page tables the block tables and its reference
 counts ours, so the attention kernels read a shared ring exactly as any other: one array, no
-block table, no gather. A block is a page (4 KiB: 2-10 tokens of a layer's keys, 512 of its
-positions).
+block table, no gather. A block is a page (4 KiB: a quarter of a token to 19 tokens of a
+layer's slot records, 512 of its positions).
 
 Freezing a ring that came from a Frozen and whose first rows were not written since reuses that
 Frozen's pages for them and writes only the rest to a new file (`freeze`'s base and clean), so

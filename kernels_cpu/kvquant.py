@@ -26,6 +26,10 @@ Inside attention an int4 row is used in "kernel order": within each group of 32,
 low nibbles (values 0, 2, .., 30) then the 16 high nibbles (1, 3, .., 31), so unpacking is
 two contiguous streams with no interleaving shuffles. Queries and fresh keys/values are
 gathered into that order and the output scattered back; dot products do not care.
+
+A cache keeps these arrays as views of one record per slot (edgekv.kvkinds.KVKind.views: K, V
+and their scales side by side), so a q or scale array's rows may lie further apart than its
+own row; any C-contiguous array of these shapes works too.
 """
 from __future__ import annotations
 
@@ -117,8 +121,10 @@ def _fwht(x, B):
 # --- row (de)quantizers ---------------------------------------------------------------
 # The cores take a ring's K or V as a tuple (h, b, s): h the f16 kind's half bits as uint16
 # (numba has no float16 on CPU), b the int kinds' bytes as int8 (int8 values, or int4 nibble
-# pairs), s their f16 scales as uint16; the arrays a kind does not use are empty. One
-# compiled core then serves every kind: compiling it takes seconds, a branch per row nothing.
+# pairs), s their f16 scales as uint16; the arrays a kind does not use are empty. Each is 2-d
+# (cap, row stride), C-contiguous, row j starting at slot j's first head (_window): a head's
+# row is at g * its width in it. One compiled core then serves every kind and every layout:
+# compiling it takes seconds, a branch per row nothing.
 
 _F16, _INT8, _INT4 = 0, 1, 2  # KINDS' order
 _KIND_ID = {name: i for i, name in enumerate(KINDS)}
@@ -132,19 +138,19 @@ def _deq_rows(kind, h, b, s, j0, nj, g, dst):
     hd = dst.shape[1]
     if kind == _F16:
         for jj in range(nj):
-            base = ((j0 + jj) * h.shape[1] + g) * hd
+            base = (j0 + jj) * h.shape[1] + g * hd
             for c in range(0, hd, 32):
                 _deq32_f16(h, base + c, dst, jj * hd + c)
     elif kind == _INT8:
         for jj in range(nj):
-            base = ((j0 + jj) * b.shape[1] + g) * hd
+            base = (j0 + jj) * b.shape[1] + g * hd
             for gi in range(hd // 32):
-                _deq32_i8(b, base + 32 * gi, _widen(s[j0 + jj, g, gi]), dst, jj * hd + 32 * gi)
+                _deq32_i8(b, base + 32 * gi, _widen(s[j0 + jj, g * (hd // 32) + gi]), dst, jj * hd + 32 * gi)
     else:
         for jj in range(nj):
-            base = ((j0 + jj) * b.shape[1] + g) * (hd // 2)
+            base = (j0 + jj) * b.shape[1] + g * (hd // 2)
             for gi in range(hd // 32):
-                _deq32_i4(b, base + 16 * gi, _widen(s[j0 + jj, g, gi]), dst, jj * hd + 32 * gi)
+                _deq32_i4(b, base + 16 * gi, _widen(s[j0 + jj, g * (hd // 32) + gi]), dst, jj * hd + 32 * gi)
 
 
 @njit(inline="always", **_EXACT)
@@ -163,20 +169,21 @@ def _levels4(x, inv):
 def _quant_row(kind, x, ring, j, g):
     """Quantize x (hd,) float32, in original order, into row (slot j, kv head g) of ring."""
     h, b, s = ring
+    hd = x.shape[0]
     if kind == _F16:
-        for c in range(x.shape[0]):
-            h[j, g, c] = _narrow(x[c])
+        for c in range(hd):
+            h[j, g * hd + c] = _narrow(x[c])
     elif kind == _INT8:
         for gi in range(x.shape[0] // 32):
             amax = _F0
             for c in range(32 * gi, 32 * gi + 32):
                 amax = max(amax, abs(x[c]))
             hs = _narrow(amax / np.float32(127.0))
-            s[j, g, gi] = hs
+            s[j, g * (hd // 32) + gi] = hs
             d = _widen(hs)
             inv = _F1 / d if d > _F0 else _F0
             for c in range(32 * gi, 32 * gi + 32):
-                b[j, g, c] = np.int8(min(max(np.rint(x[c] * inv), np.float32(-127.0)), np.float32(127.0)))
+                b[j, g * hd + c] = np.int8(min(max(np.rint(x[c] * inv), np.float32(-127.0)), np.float32(127.0)))
     else:
         for gi in range(x.shape[0] // 32):
             amax = _F0
@@ -207,12 +214,12 @@ def _quant_row(kind, x, ring, j, g):
                     best = score
                     best_inv = cinv
                     best_d = sxq / sqq if sqq > 0.0 else 0.0
-            s[j, g, gi] = _narrow(np.float32(best_d))
+            s[j, g * (hd // 32) + gi] = _narrow(np.float32(best_d))
             for i in range(16):
                 lo = _level4(x[32 * gi + 2 * i], best_inv)
                 hi = _level4(x[32 * gi + 2 * i + 1], best_inv)
                 # the int8 cast keeps the low 8 bits: the byte's pattern, as uint8 would
-                b[j, g, 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
+                b[j, g * (hd // 2) + 16 * gi + i] = np.int8((np.int32(lo) + 8) | ((np.int32(hi) + 8) << 4))
 
 
 # --- Hadamard, store, load ------------------------------------------------------------
@@ -329,33 +336,52 @@ def _check_kind(kind: str, hd: int) -> None:
         raise ValueError(f"head dim {hd} must be a positive multiple of {GROUP}")
 
 
-_NO_H = np.zeros((0, 0, 0), np.uint16)
-_NO_B = np.zeros((0, 0, 0), np.int8)
+_NO_H = np.zeros((0, 0), np.uint16)
+_NO_B = np.zeros((0, 0), np.int8)
 NO_SINK_BIAS = np.zeros((0, 0), np.float32)  # kv_attention's sink_bias when there is none
 NO_SCORES = np.zeros((0, 0, 0), np.float32)  # kv_attention's scores when none are wanted
 
 
+def _rowwise(a: np.ndarray) -> bool:
+    """a (cap, n, w): each slot's n rows contiguous, slots a non-negative whole number of its rows apart
+    (C-contiguous, or views of a cache's records)."""
+    isz = a.itemsize
+    return a.ndim == 3 and a.strides[2] == isz and a.strides[1] == a.shape[2] * isz and (
+        a.shape[0] <= 1 or a.strides[0] >= a.shape[1] * a.shape[2] * isz and a.strides[0] % isz == 0)
+
+
 def _ring(name: str, kind: str, qa: np.ndarray, sa: np.ndarray | None, hd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Check one of a ring's K or V against its kind; return the (h, b, s) views the cores take."""
-    if qa.ndim != 3 or not qa.flags.c_contiguous:
-        raise ValueError(f"{name}: ring array {qa.dtype}{qa.shape} must be 3-d (cap, n_head_kv, ...), C-contiguous")
+    if qa.ndim != 3 or not _rowwise(qa):
+        raise ValueError(f"{name}: ring array {qa.dtype}{qa.shape} must be 3-d (cap, n_head_kv, ...), its rows contiguous")
     cap, n_head_kv = qa.shape[:2]
     spec = _SPEC[kind]
     if qa.dtype != spec.dtype or qa.shape[2] != spec.width(hd):
         raise ValueError(f"{name}: {kind} ring array must be {np.dtype(spec.dtype)} (cap, n_head_kv, {spec.width(hd)}), "
                          f"not {qa.dtype}{qa.shape}")
     if spec.quantized and (sa is None or sa.dtype != np.float16 or sa.shape != (cap, n_head_kv, hd // GROUP)
-                          or not sa.flags.c_contiguous):
+                          or not _rowwise(sa)):
         got = "None" if sa is None else f"{sa.dtype}{sa.shape}"
-        raise ValueError(f"{name}: {kind} scales must be float16 ({cap}, {n_head_kv}, {hd // GROUP}), C-contiguous, not {got}")
+        raise ValueError(f"{name}: {kind} scales must be float16 ({cap}, {n_head_kv}, {hd // GROUP}), rows contiguous, "
+                         f"not {got}")
     return _views(kind, qa, sa)
+
+
+def _window(a: np.ndarray, dtype) -> np.ndarray:
+    """a (cap, n, w) as the cores read it: (cap, stride) C-contiguous from a's first element, row
+    j at a[j]'s first row. In a cache's records a row runs on into the next fields (and the last
+    into the spare record the cache keeps past them, edgekv.kvcache): the cores read only its
+    first n * w elements."""
+    a = a.view(dtype)
+    stride = a.strides[0] // a.itemsize if a.shape[0] > 1 else a.shape[1] * a.shape[2]
+    return np.lib.stride_tricks.as_strided(a, (a.shape[0], stride), (stride * a.itemsize, a.itemsize))
 
 
 def _views(kind: str, qa: np.ndarray, sa: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (h, b, s) views of a ring array the cores take: f16 bits, int bytes, f16 scale bits."""
     if not _SPEC[kind].quantized:
-        return qa.view(np.uint16), _NO_B, _NO_H
-    return _NO_H, qa.view(np.int8), sa.view(np.uint16)
+        return _window(qa, np.uint16), _NO_B, _NO_H
+    return _NO_H, _window(qa, np.int8), _window(sa, np.uint16)
 
 
 def _check_slots(name: str, slots: np.ndarray, cap: int) -> None:
@@ -374,15 +400,17 @@ def kv_store(
     rotate: bool,
     *,
     check: bool = True,
+    ring: tuple | None = None,
 ) -> None:
     """Quantize x (n, Hkv, hd) float32 into ring slots (n,) int64 (distinct) of q_arr /
     scale_arr (see the module doc for layouts), Hadamard-rotating each row first when
     rotate (x itself is not changed). The f16 kind ignores scale_arr (pass anything, or
     None) and rounds x to half. Writing the slots' positions is the caller's job. check=False skips the checks (a backend's decode step,
-    whose arrays the cache made: the checks cost more than storing one token)."""
+    whose arrays the cache made: the checks cost more than storing one token); with it, ring
+    may give the arrays as a kv_decode_layer pack holds them (its K or V), made once per cache."""
     if not check:
         hd = x.shape[2]
-        _store_core(_KIND_ID[kind], x, _views(kind, q_arr, scale_arr), slots, bool(rotate), hadamard_block(hd))
+        _store_core(_KIND_ID[kind], x, ring or _views(kind, q_arr, scale_arr), slots, bool(rotate), hadamard_block(hd))
         return
     if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
         raise ValueError(f"kv_store: x {x.dtype}{x.shape} must be float32 (n, n_head_kv, hd), C-contiguous")
@@ -778,6 +806,7 @@ def kv_attention(
     softcap: float = 0.0,
     scores: np.ndarray | None = None,
     check: bool = True,
+    rings: tuple | None = None,
 ) -> np.ndarray:
     """softmax(q K^T * scale + mask) V over the union of a ring (k, k_scale, v, v_scale of
     `kind`; pos (cap,) int64, -1 = empty) and fresh keys fresh_k, fresh_v (m, Hkv, hd)
@@ -811,10 +840,12 @@ def kv_attention(
     (kernels_cpu.evict.score_update): the scores this attention computes anyway, not a second pass.
 
     check=False skips the checks (a backend's decode step; arrays as the cache made them, every
-    optional one given, out included): at one token they cost more than the attention."""
+    optional one given, out included): at one token they cost more than the attention. With it,
+    rings may give (K, V) as a kv_decode_layer pack holds them, made once per cache."""
     if not check:
         hd = q.shape[2]
-        _attn_core(_KIND_ID[kind], q, q_sink, q_pos, _views(kind, k, k_scale), _views(kind, v, v_scale), pos,
+        K, V = rings or (_views(kind, k, k_scale), _views(kind, v, v_scale))
+        _attn_core(_KIND_ID[kind], q, q_sink, q_pos, K, V, pos,
                    n_sink, fresh_k, fresh_v, fresh_pos, np.float32(scale), window, _perm(kind, hd), v_rotated,
                    hadamard_block(hd), (recent_k.view(np.uint16), recent_v.view(np.uint16), recent_pos, recent,
                                         exact_lo, fresh_all, sink_bias, first, np.float32(softcap),

@@ -251,6 +251,38 @@ def test_load_roundtrip_error_bounds(kind, rot):
         assert np.all(e2 <= np.linalg.norm(err.reshape(cap, hkv, hd), axis=-1) * (1 + 1e-5) + 1e-5)
 
 
+@pytest.mark.parametrize("kind", kq.KINDS)
+def test_record_views_match_separate_arrays(kind):
+    """A cache's rings are views of one record per slot (KVKind.views: k, v, scales side by side,
+    rows a record apart); the kernels give them the bytes and the outputs of separate arrays, and
+    storing K never touches V's or the scales' bytes beside it."""
+    from edgekv.kvkinds import KINDS
+
+    rng = np.random.default_rng(11)
+    cap, hkv, hd, H = 40, 3, 64, 9
+    spec = KINDS[kind]
+    rows = np.full((cap + 1, spec.record(hkv, hd)), 0x5A, np.uint8)
+    k, v, ks, vs = spec.views(rows, cap, hkv, hd)
+    rec = [np.ascontiguousarray(a) for a in (k, ks, v, vs)]  # the same starting bytes, apart
+    xk, xv = (rng.standard_normal((cap, hkv, hd)).astype(np.float32) for _ in range(2))
+    slots = rng.permutation(cap)[:30].astype(np.int64)
+    kq.kv_store(kind, xk[:30], k, ks, slots, kind != "f16")
+    kq.kv_store(kind, xv[:30], v, vs, slots, False)
+    kq.kv_store(kind, xk[:30], rec[0], rec[1], slots, kind != "f16")
+    kq.kv_store(kind, xv[:30], rec[2], rec[3], slots, False)
+    for a, b in zip((k, ks, v, vs), rec):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert (rows[cap] == 0x5A).all()  # the spare record
+    pos = np.full(cap, -1, np.int64)
+    pos[slots] = np.arange(30)
+    q = rng.standard_normal((2, H, hd)).astype(np.float32)
+    q_pos = np.array([28, 29], np.int64)
+    outs = [kq.kv_attention(kind, q, None, q_pos, a, b, c, d, pos, 0, None, None, None, 0.125, 0, False)
+            for a, b, c, d in ((k, ks, v, vs), rec)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(kq.kv_load(kind, v, vs, slots, False), kq.kv_load(kind, rec[2], rec[3], slots, False))
+
+
 def test_store_rejects_bad_input():
     q, s = kq.kv_arrays("int8", 8, 2, 64)
     x = np.zeros((2, 2, 64), np.float32)

@@ -107,7 +107,7 @@ def test_forks_of_forks_through_a_wrapping_ring_equal_cold_runs(kv):
     b = a.fork()
     b.feed(more[:2])
     c = b.fork()
-    assert c.cache.layers[0].frozen["k"].segments[0][0] is a.cache.layers[0].frozen["k"].segments[0][0]
+    assert c.cache.layers[0].frozen["rows"].segments[0][0] is a.cache.layers[0].frozen["rows"].segments[0][0]
     tail = list(range(300, 340))  # 40 more tokens: every ring wraps
     assert len(prompt) + 2 + len(tail) > 96
     got_c = [c.feed([t]) for t in tail]
@@ -136,10 +136,10 @@ def test_chats_sharing_a_cached_system_prompt_map_its_pages(tmp_path):
     n_sys = max(len(e.tokens) for e in llm.prompt_cache._mem.values() if e.logits is None)
     assert n_sys >= MIN_TOKENS
     entry = next(e for e in llm.prompt_cache._mem.values() if len(e.tokens) == n_sys)
-    files = {id(s[0]) for s in entry.cache.layers[0].frozen["k"].segments}
+    files = {id(s[0]) for s in entry.cache.layers[0].frozen["rows"].segments}
     for s in sessions:
         lk = s.seq.cache.layers[0]
-        assert lk.frozen is not None and id(lk.frozen["k"].segments[0][0]) in files
+        assert lk.frozen is not None and id(lk.frozen["rows"].segments[0][0]) in files
     cold = new_llm("int8", tmp_path / "cold", n_ctx=1024, prompt_cache=False)
     assert replies == [cold.session(system=system, max_tokens=4, temperature=0.0).send(f"Say {w}.")
                        for w in ("one", "two", "three")]

@@ -356,8 +356,9 @@ class CPUBackend(AttentionStep):
         rows, slots = plan.writers
         if len(rows) != plan.n:  # the batch wraps the ring: only each slot's last writer lands
             k, v = np.ascontiguousarray(k[rows]), np.ascontiguousarray(v[rows])
-        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, False, check=False)
-        self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False, check=False)
+        pack = self._layer(kv)[0]  # its ring views, made once per cache
+        self.kvq.kv_store(kv.kind, k, kv.k, kv.k_scale, slots, False, check=False, ring=pack[1])
+        self.kvq.kv_store(kv.kind, v, kv.v, kv.v_scale, slots, False, check=False, ring=pack[2])
 
     def attend(self, kv: LayerKV, plan: Plan, q, q_sink, q_pos, k, v, sink_bias, scale: float, softcap: float):
         # the batch's exact keys: all of them while not stored yet, else for the recent rule
@@ -373,7 +374,7 @@ class CPUBackend(AttentionStep):
             kv.pos[: plan.n_ring], kv.n_sink, fk, fv, fpos, scale, kv.span, False, np.empty_like(q), recent_k=kv.rk,
             recent_v=kv.rv, recent_pos=kv.rpos, recent=kv.recent, exact_lo=plan.exact_lo, first=kv.first,
             fresh_all=not plan.store_first, sink_bias=self.kvq.NO_SINK_BIAS if sink_bias is None else sink_bias,
-            softcap=softcap, scores=sc, check=False)
+            softcap=softcap, scores=sc, check=False, rings=self._layer(kv)[0][1:3])
         if ev is not None:  # the batch is stored first under a policy: every row has its slot
             fslot = plan.writers[1] if len(fpos) else fpos
             self.ev_kernels.score_update(sc, kv.pos[: plan.n_ring], len(ev.rslot), ev.rslot, fslot, *ev.target(plan))

@@ -437,9 +437,11 @@ class CUDABackend(AttentionStep):
                 up = lambda a: self.cuda.device_array(a.shape, a.dtype)  # noqa: E731
             else:
                 up = self.cuda.to_device
-            k = up(kv.k.view(np.uint8 if kv.rotated else np.uint16))
-            v = up(kv.v.view(np.uint8 if kv.rotated else np.uint16))
-            ks, vs = up(kv.k_scale.view(np.uint16)), up(kv.v_scale.view(np.uint16))
+            # the host's k, v and scales are views of one record per slot: each goes up as an array of its own
+            dense = lambda a, dt: np.ascontiguousarray(a.view(dt))  # noqa: E731
+            k = up(dense(kv.k, np.uint8 if kv.rotated else np.uint16))
+            v = up(dense(kv.v, np.uint8 if kv.rotated else np.uint16))
+            ks, vs = up(dense(kv.k_scale, np.uint16)), up(dense(kv.v_scale, np.uint16))
             to = self.cuda.to_device
             r = _Ring(self.kvq.ring_arrays(kv.kind, k, ks), self.kvq.ring_arrays(kv.kind, v, vs), k, v, ks, vs,
                       to(kv.pos), up(kv.rk.view(np.uint16)), up(kv.rv.view(np.uint16)), to(kv.rpos), to(kv.mu),
@@ -456,11 +458,11 @@ class CUDABackend(AttentionStep):
         for kv in cache.layers:
             r = kv.__dict__.get("_cuda_ring")
             if r is not None:
-                r.k.copy_to_host(kv.k.view(r.k.dtype))
-                r.v.copy_to_host(kv.v.view(r.v.dtype))
+                kv.k.view(r.k.dtype)[:] = r.k.copy_to_host()  # into the records' views (not contiguous)
+                kv.v.view(r.v.dtype)[:] = r.v.copy_to_host()
                 if kv.rotated:
-                    r.ks.copy_to_host(kv.k_scale.view(np.uint16))
-                    r.vs.copy_to_host(kv.v_scale.view(np.uint16))
+                    kv.k_scale.view(np.uint16)[:] = r.ks.copy_to_host()
+                    kv.v_scale.view(np.uint16)[:] = r.vs.copy_to_host()
                 empty = ~kv.live  # never written on the device: whatever the allocation held
                 for a in (kv.k, kv.v) + ((kv.k_scale, kv.v_scale) if kv.rotated else ()):
                     a[empty] = 0
