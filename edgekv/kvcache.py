@@ -560,8 +560,8 @@ def take_frozen(layers: list[LayerKV], states: list[tuple]) -> None:
         for name, a in zip(("k", "v", "k_scale", "v_scale"), KINDS[lk.kind].views(rows, m, lk.n_head_kv, lk.head_dim)):
             if name in lk.slot_arrays:
                 a[:] = arrays[name]
-        items += [(rows, rows.nbytes, None, 0, (cap + 1, rows.shape[1])), (arrays["pos"], arrays["pos"].nbytes, None, 0,
-                                                                           (cap,))]
+        items.append((rows, rows.nbytes, None, 0, (cap + 1, rows.shape[1])))  # the spare record, as new_layer's
+        items.append((arrays["pos"], arrays["pos"].nbytes, None, 0, (cap,)))
     try:
         made = iter(pages.freeze(items)) if pages.SUPPORTED else None
     except OSError:

@@ -435,13 +435,11 @@ class CUDABackend(AttentionStep):
             if kv.n_written == 0 and (kv.rpos < 0).all():
                 # an empty ring: allocate only (attention reads a slot only once it is written)
                 up = lambda a: self.cuda.device_array(a.shape, a.dtype)  # noqa: E731
-            else:
-                up = self.cuda.to_device
-            # the host's k, v and scales are views of one record per slot: each goes up as an array of its own
-            dense = lambda a, dt: np.ascontiguousarray(a.view(dt))  # noqa: E731
-            k = up(dense(kv.k, np.uint8 if kv.rotated else np.uint16))
-            v = up(dense(kv.v, np.uint8 if kv.rotated else np.uint16))
-            ks, vs = up(dense(kv.k_scale, np.uint16)), up(dense(kv.v_scale, np.uint16))
+            else:  # the host's k, v and scales are views of one record per slot: each goes up as an array of its own
+                up = lambda a: self.cuda.to_device(np.ascontiguousarray(a))  # noqa: E731
+            k = up(kv.k.view(np.uint8 if kv.rotated else np.uint16))
+            v = up(kv.v.view(np.uint8 if kv.rotated else np.uint16))
+            ks, vs = up(kv.k_scale.view(np.uint16)), up(kv.v_scale.view(np.uint16))
             to = self.cuda.to_device
             r = _Ring(self.kvq.ring_arrays(kv.kind, k, ks), self.kvq.ring_arrays(kv.kind, v, vs), k, v, ks, vs,
                       to(kv.pos), up(kv.rk.view(np.uint16)), up(kv.rv.view(np.uint16)), to(kv.rpos), to(kv.mu),
