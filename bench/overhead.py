@@ -44,7 +44,8 @@ def in_kernels(llm, kv: str, n: int = 150) -> float:
     plans = [cache[i].plan(pos) for i in range(len(m.blocks))]
     for i, p in enumerate(plans):
         cache[i].place(p)  # the token's position, as the backend's step records it
-    packs = [(m.blocks[i], cache[i].backend_state[0], p.one_token) for i, p in enumerate(plans)]
+    packs = [(m.blocks[i], cache[i].backend_state[2], np.array([p.one_token + (0,)], np.int64))
+             for i, p in enumerate(plans)]
     out = np.empty((1, m.output.m), np.float32)
     t = time.perf_counter()
     for _ in range(n):  # the same slot rewritten each step: the context stays at 9 tokens
@@ -52,8 +53,8 @@ def in_kernels(llm, kv: str, n: int = 150) -> float:
         qmatmul._dequant_rows(m.token_embd.ws[0], m.token_embd.qtype, ids, m.token_embd.k, x)
         for pack, layer, at in packs:
             W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads, mag) = pack
-            block._block_core(x, pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, mag), (layer,),
-                              (at + (0,),), (1 << 16, 256, be.threads), softcap)
+            block._block_core(x, pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, mag), layer, at,
+                              (1 << 16, 256, be.threads), softcap)
         qmatmul._qmatvec(x, m.output.ws, m.output.qtype, out, 0, qmatmul.PRE_NORM, m.output_norm, m.cfg.norm_eps, e2, e1)
     return (time.perf_counter() - t) / n
 

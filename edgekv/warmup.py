@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from .kvcache import BatchLayer
 from .rope import plain
 
 # (name, what the bar calls it, estimated CPU-seconds to compile on the 2-vCPU test machine,
@@ -53,7 +54,8 @@ KERNELS = (("qmatmul", "_qmatvec"), _prefill_kernel(), ("qmatmul", "_dequant_row
            ("ops", "_silu_mul_serial"), ("ops", "_silu_mul_parallel"), ("ops", "_gelu_mul_serial"),
            ("ops", "_gelu_mul_parallel"), ("kvquant", "_store_core"), ("kvquant", "_kv_space_core"),
            ("kvquant", "_attn_core"), ("kvquant", "_decode_core"), ("kvquant", "_hadamard_serial"),
-           ("kvquant", "_hadamard_parallel"), ("block", "_block_core"), ("evict", "_score_update"),
+           ("kvquant", "_hadamard_parallel"), ("block", "_block_core"), ("block", "_list_of"),
+           ("block", "_list_push"), ("evict", "_score_update"),
            ("evict", "_choose"))
 _H, _HKV, _HD, _D, _FF = 2, 1, 64, 128, 256  # the synthetic model: heads, kv heads, head dim, width, ffn
 _ROPE = plain(10000.0, _HD)  # llama-style rope over the whole head
@@ -141,7 +143,8 @@ def _prefill(be, rng) -> None:
 
 
 def _block(be, rng) -> None:
-    """A decode token through the fused block (kernels_cpu/block.py) over a filled ring."""
+    """A decode token through the fused block (kernels_cpu/block.py) over a filled ring, then
+    a batch of two (one compiled block serves every batch size)."""
     ones = np.ones(_D, np.float32)
     pack = be.decoder_block(
         attn_norm=ones, qkv=_weight((_H * _HD, _HKV * _HD, _HKV * _HD), _D, rng), qkv_bias=None, q_norm=None, k_norm=None,
@@ -151,6 +154,9 @@ def _block(be, rng) -> None:
     kv = _layer()
     _attend(be, kv, rng, 0, 2)
     be.run_block(pack, _rand(rng, 1, _D), np.array([2], np.int64), kv)
+    other = _layer()
+    _attend(be, other, rng, 0, 2)
+    be.run_block(pack, _rand(rng, 2, _D), np.array([3, 2], np.int64), BatchLayer((kv, other), (0, 1, 2)))
 
 
 _RUN = {"matvec": _matvec, "attention": _attention, "prefill": _prefill, "block": _block}

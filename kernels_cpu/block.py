@@ -39,8 +39,8 @@ _NO_RUN = (_NO_W, _NO_W, _NO_W)
 
 @njit(cache=True, error_model="numpy")
 def _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, layers, ats, par, softcap):
-    # x (n, d): token t belongs to a sequence of its own, cache layers[t] at ats[t] (the tuples may
-    # be longer than n: decode_block pads them so that few tuple lengths compile)
+    # x (n, d): token t belongs to a sequence of its own, cache layers[t] (a typed list: one numba
+    # type whatever the batch's size) at ats[t] = (slot, n_ring, exact_lo, exact_row, shift)
     wqkv, tqkv, mqkv, wo, to, wgu, tgu, mgu, wdown, tdown = W
     attn_norm, qkv_bias, q_norm, k_norm, post_attn, ffn_norm, post_ffw = N
     H, Hkv, hd, act = dims
@@ -94,20 +94,12 @@ def _attend(qkv3, q_pos, q_norm, k_norm, eps, rope, layers, ats, scale, par, sof
     n = a.shape[0]
     inv_freq, neox, nh, mag = rope
     if n > 1 and par[2] > 1:
-        # a parallel loop takes arrays and scalars only, no tuples: the caches go as a typed list
-        caches = List()
-        at = np.empty((n, 5), np.int64)
-        for t in range(n):
-            caches.append(layers[t])
-            for j in range(5):
-                at[t, j] = ats[t][j]
-        _attend_par(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, caches, at, scale, par[0], par[1],
+        _attend_par(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, layers, ats, scale, par[0], par[1],
                     softcap, a)
     else:
         for t in range(n):
-            slot, n_ring, e0, row, shift = ats[t]
-            _attend_token(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, layers[t], slot, n_ring, e0, row,
-                          shift, scale, par[0], par[1], par[2], softcap, a, t)
+            _attend_token(qkv3, q_pos, q_norm, k_norm, eps, inv_freq, neox, nh, mag, layers[t], ats[t, 0], ats[t, 1],
+                          ats[t, 2], ats[t, 3], ats[t, 4], scale, par[0], par[1], par[2], softcap, a, t)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -197,21 +189,40 @@ def block_pack(*, attn_norm, qkv, qkv_bias, q_norm, k_norm, attn_output, post_at
         (np.ascontiguousarray(rope_freqs, dtype=np.float64), bool(rope_neox), H + Hkv, float(rope_mag))
 
 
-def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layers: list, ats: list,
+def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layers: List, ats: np.ndarray,
                  threads: int | None = None) -> np.ndarray:
     """x (n, d) float32, C-contiguous: the residual streams of n tokens at q_pos (n,) int64, token t
-    of a sequence of its own over layers[t], a layer's cache (kvquant.kv_decode_layer; all of one
-    numba type), placed at ats[t] = (slot, n_ring, exact_lo, exact_row, shift) (the cache's plan:
-    Plan.one_token and Plan.shift), updated in place through the block `pack` (block_pack); each
-    token gets the bits it gets alone. Unchecked: a backend's decode step. threads: the calling
-    thread's numba count, where the caller knows it (numba's get_num_threads costs ~1.4 us, a
-    layer's whole cache bookkeeping ~1). Returns x; the callers' caches commit the plans."""
+    of a sequence of its own over layers[t], a layer's cache (kvquant.kv_decode_layer; a typed
+    list from `cache_list`, all of one numba type), placed at ats[t] = (slot, n_ring, exact_lo,
+    exact_row, shift) ((n, 5) int64: the cache's plan, Plan.one_token and Plan.shift), updated in
+    place through the block `pack` (block_pack); each token gets the bits it gets alone.
+    Unchecked: a backend's decode step. threads: the calling thread's numba count, where the
+    caller knows it (numba's get_num_threads costs ~1.4 us, a layer's whole cache bookkeeping
+    ~1). Returns x; the callers' caches commit the plans."""
     W, N, dims, eps, (scale, res_scale, softcap), (freqs, neox, heads, mag) = pack
-    pad = _PAD[len(layers)] - len(layers)  # tuple lengths 1, 2, 4, 8, 16: one compile each
-    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, mag),
-                tuple(layers) + (layers[-1],) * pad, tuple(ats) + (ats[-1],) * pad,
+    _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, mag), layers, ats,
                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, threads or get_num_threads()), softcap)
     return x
 
 
-_PAD = [0, 1, 2, 4, 4] + [8] * 4 + [16] * 8  # a batch of n tokens -> its tuples' length
+def cache_list(states) -> List:
+    """Layers' caches (kvquant.kv_decode_layer packs of one numba type) as the typed list
+    decode_block takes: a call receives it as one object, where a tuple of caches costs ~2 us a
+    cache to unpack at every call (bench/RESULTS.md). Made in compiled code (a typed list made
+    from Python costs ~300 us); made once and kept by the caller."""
+    out = _list_of(states[0])
+    for s in states[1:]:
+        _list_push(out, s)
+    return out
+
+
+@njit(cache=True)
+def _list_of(s):
+    out = List()
+    out.append(s)
+    return out
+
+
+@njit(cache=True)
+def _list_push(out, s):
+    out.append(s)

@@ -300,10 +300,41 @@ def test_a_batch_runs_through_the_fused_block_whatever_its_caches_kinds(monkeypa
             llm.forward([1, 4 + j, 9], b, 0)
         if not fused:
             for lk in batch[1].layers:
-                lk.backend_state = (be._layer(lk)[0], object())  # another type than the others'
+                state = be._layer(lk)
+                lk.backend_state = (state[0], object(), state[2])  # another type than the others'
         for step in range(3):
             want = [llm.forward([20 + j + step], c, 3 + step)[-1] for j, c in enumerate(solo)]
             sizes.clear()
             got = llm.forward_batch([([20 + j + step], c, 3 + step) for j, c in enumerate(batch)])
             assert all(np.array_equal(a, b) for a, b in zip(want, got)), (specs, step)
             assert sizes == ([3] * llm.cfg.n_layer if fused else [1] * 3 * llm.cfg.n_layer), (specs, fused)
+
+
+def test_a_batchs_list_of_caches_is_kept_remade_when_a_pack_changes_and_dropped_with_its_caches():
+    # the CPU backend keeps each layer's typed list of a batch's cache packs from step to step
+    # (CPUBackend._group); a member's new pack (a resize, a load) makes a new list, and a
+    # collected member takes its lists (and the packs they hold) with it
+    import gc
+
+    llm = llm_for("llama", "cpu", "int8", 32)
+    be = llm.backend
+    solo = [llm.new_cache() for _ in range(2)]
+    batch = [llm.new_cache() for _ in range(2)]
+    for j in range(2):
+        llm.forward([1, 4 + j, 9], solo[j], 0)
+        llm.forward([1, 4 + j, 9], batch[j], 0)
+    be._groups.clear()
+    lists = []
+    for step in range(3):
+        if step == 2:
+            batch[1].layers[0].backend_state = None  # as a resize leaves it: packed anew
+        want = [llm.forward([20 + j + step], c, 3 + step)[-1] for j, c in enumerate(solo)]
+        got = llm.forward_batch([([20 + j + step], c, 3 + step) for j, c in enumerate(batch)])
+        assert all(np.array_equal(a, b) for a, b in zip(want, got)), step
+        assert len(be._groups) == llm.cfg.n_layer
+        lists.append([be._groups[tuple(map(id, lks))][1] for lks in zip(*(c.layers for c in batch))])
+    assert all(a is b for a, b in zip(lists[0], lists[1]))  # the same caches: the same lists
+    assert lists[2][0] is not lists[1][0] and all(a is b for a, b in zip(lists[1][1:], lists[2][1:]))
+    del lists, got, batch[1]
+    gc.collect()
+    assert not be._groups

@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import ctypes
@@ -30,6 +31,7 @@ from .threads import RUNNING, ThreadTuner
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
 _NONE2 = np.empty((0, 0), np.float32)  # and residual
+_GROUPS = 256  # batches' typed lists of caches kept (CPUBackend._group): a layer each, so ~8 batches of 30 layers
 
 
 def _release(raw: np.ndarray) -> None:
@@ -170,6 +172,7 @@ class CPUBackend(AttentionStep):
         self.auto_threads = threads is None  # None: fewer while other programs keep cores busy
         self._local = threading.local()  # numba's thread count belongs to the calling thread
         self.ops, self.qm, self.kvq, self.blk, self.ev_kernels = ops, qmatmul, kvquant, block, evict
+        self._groups: dict = {}  # tuple of LayerKV ids -> (their packs, typed list, weak refs): _group
         self.batch_rows = qmatmul.SMALL_N  # the decode kernel's rows: each computed as if alone (LLM.forward_batch)
         mode = os.environ.get("EDGEKV_WEIGHTS", "auto")
         if mode not in ("auto", "map", "copy"):
@@ -247,7 +250,8 @@ class CPUBackend(AttentionStep):
                 return False
             plan = kv.plan(pos)  # a plan may resize (lend): then pack
             kv.place(plan)
-            self.blk.decode_block(pack, x, pos, [self._layer(kv)[0]], [plan.one_token + (plan.shift,)], _threads())
+            at = np.array((plan.one_token + (plan.shift,),), np.int64)
+            self.blk.decode_block(pack, x, pos, self._layer(kv)[2], at, _threads())
             kv.commit(plan)
             return True
         layers = kv.layers
@@ -257,27 +261,44 @@ class CPUBackend(AttentionStep):
         for lk, plan in zip(layers, plans):
             lk.place(plan)
         states = [self._layer(lk) for lk in layers]
-        ats = [plan.one_token + (plan.shift,) for plan in plans]
+        ats = np.array([plan.one_token + (plan.shift,) for plan in plans], np.int64)
         if all(s[1] is states[0][1] for s in states):  # the kernel takes one numba type of cache (every kind's)
-            self.blk.decode_block(pack, x, pos, [s[0] for s in states], ats, _threads())
+            self.blk.decode_block(pack, x, pos, self._group(layers, states), ats, _threads())
         else:  # never seen: each token alone, the weights read once per sequence
-            for j, (s, at) in enumerate(zip(states, ats)):
-                self.blk.decode_block(pack, x[j : j + 1], pos[j : j + 1], [s[0]], [at], _threads())
+            for j, s in enumerate(states):
+                self.blk.decode_block(pack, x[j : j + 1], pos[j : j + 1], s[2], ats[j : j + 1], _threads())
         for lk, plan in zip(layers, plans):
             lk.commit(plan)
         return True
 
     def _layer(self, kv: LayerKV) -> tuple:
-        """The cache's arrays packed for the one-call decode kernels (kvquant.kv_decode_layer) and
-        their numba type, once per cache."""
+        """The cache's arrays packed for the one-call decode kernels (kvquant.kv_decode_layer),
+        their numba type and the pack alone in a typed list (block.decode_block's), once per cache."""
         if kv.backend_state is None:
             from numba import typeof
 
             state = self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink, kv.span,
                                              kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu, kv.kmul,
                                              None if kv.evictor is None else kv.evictor.kernel)
-            kv.backend_state = state, typeof(state)
+            kv.backend_state = state, typeof(state), self.blk.cache_list([state])
         return kv.backend_state
+
+    def _group(self, layers: tuple, states: list):
+        """One layer of a batch's caches as the typed list block.decode_block takes, kept while
+        the same caches decode together (continuous batching's usual step): made anew it costs
+        ~10 us, a step's whole Python per layer. An entry goes when one of its layers is
+        collected or its pack changed (a resize, a load); at most _GROUPS entries are kept, so
+        that packs of caches no batch uses any more are not held for long."""
+        key = tuple(map(id, layers))
+        got = self._groups.get(key)
+        if got is not None and all(a is b for a, b in zip(got[0], states)):
+            return got[1]
+        if len(self._groups) >= _GROUPS:
+            self._groups.clear()
+        out = self.blk.cache_list([s[0] for s in states])
+        drop = lambda _ref, groups=self._groups, key=key: groups.pop(key, None)  # noqa: E731
+        self._groups[key] = (tuple(states), out, [weakref.ref(lk, drop) for lk in layers])
+        return out
 
     # -- ops -------------------------------------------------------------------------
     # The decode step calls these ~5 times a layer; they go straight to the jitted cores (the
