@@ -374,7 +374,7 @@ class LayerKV:
             keep = np.setdiff1d(keep, victims)
         for name in SHARED:
             a = getattr(self, name)
-            b = lazy_zeros((cap + (name == "rows"),) + a.shape[1:], a.dtype)
+            b = lazy_zeros((slot_rows(name, cap),) + a.shape[1:], a.dtype)
             b[: len(keep)] = a[keep]
             setattr(self, name, b)
         self._view_rows()
@@ -560,14 +560,20 @@ def take_frozen(layers: list[LayerKV], states: list[tuple]) -> None:
         for name, a in zip(("k", "v", "k_scale", "v_scale"), KINDS[lk.kind].views(rows, m, lk.n_head_kv, lk.head_dim)):
             if name in lk.slot_arrays:
                 a[:] = arrays[name]
-        items.append((rows, rows.nbytes, None, 0, (cap + 1, rows.shape[1])))  # the spare record, as new_layer's
-        items.append((arrays["pos"], arrays["pos"].nbytes, None, 0, (cap,)))
+        items.append((rows, rows.nbytes, None, 0, (slot_rows("rows", cap), rows.shape[1])))
+        items.append((arrays["pos"], arrays["pos"].nbytes, None, 0, (slot_rows("pos", cap),)))
     try:
         made = iter(pages.freeze(items)) if pages.SUPPORTED else None
     except OSError:
         made = None
     for lk, (n_written, arrays) in zip(layers, states):
         lk.take_state(n_written, arrays, None if made is None else {name: next(made) for name in SHARED})
+
+
+def slot_rows(name: str, cap: int) -> int:
+    """Rows of a ring's slot array (SHARED) for cap slots: the records have a spare last one,
+    which keeps the kernels' row windows (kernels_cpu.kvquant._window) inside the buffer."""
+    return cap + (name == "rows")
 
 
 def lazy_zeros(shape: tuple, dtype) -> np.ndarray:
@@ -594,7 +600,7 @@ def new_layer(kind: str, capacity: int, n_head_kv: int, head_dim: int, n_sink: i
     spec = KINDS[kind]
     if spec.quantized and head_dim % GROUP:
         raise EdgekvError(f"{kind} KV cache needs head_dim a multiple of {GROUP}, this model has {head_dim}")
-    rows = lazy_zeros((capacity + 1, spec.record(n_head_kv, head_dim)), np.uint8)
+    rows = lazy_zeros((slot_rows("rows", capacity), spec.record(n_head_kv, head_dim)), np.uint8)
     n_sink = min(n_sink, capacity)
     # f16 is exact already. At most capacity - n_sink: a sink then is only ever read exact
     # before the ring wraps, while its query needs no counter-rotation (sink shift 0).

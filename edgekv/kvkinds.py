@@ -34,8 +34,12 @@ class KVKind:
     def record(self, n_head_kv: int, head_dim: int) -> int:
         """Bytes of one ring slot's record: its keys (n_head_kv rows of `width`), its values,
         then (int kinds) the keys' and the values' f16 scales, one per GROUP values."""
-        row = n_head_kv * self.width(head_dim) * np.dtype(self.dtype).itemsize
+        row = self._row(n_head_kv, head_dim)
         return 2 * row + (4 * n_head_kv * (head_dim // GROUP) if self.quantized else 0)
+
+    def _row(self, n_head_kv: int, head_dim: int) -> int:
+        """Bytes of a slot's keys (and of its values)."""
+        return n_head_kv * self.width(head_dim) * np.dtype(self.dtype).itemsize
 
     def views(self, rows: np.ndarray, cap: int, n_head_kv: int, head_dim: int) -> tuple[np.ndarray, ...]:
         """(k, v, k_scale, v_scale): views of the first cap records of rows (>= cap, record)
@@ -43,13 +47,13 @@ class KVKind:
         scales: (1, 1, 1) placeholders of their own). One record a slot, not one array each:
         a fork shares a ring's pages copy-on-write (edgekv/pages.py), and each array a chat
         writes past a shared prefix costs it about a page of its own a layer (bench/RESULTS.md)."""
-        rec, w, isz = rows.shape[1], self.width(head_dim), np.dtype(self.dtype).itemsize
+        rec, w = rows.shape[1], self.width(head_dim)
         if rows.dtype != np.uint8 or rows.ndim != 2 or rec != self.record(n_head_kv, head_dim) or rows.shape[0] < cap:
             raise ValueError(f"{self.name} ring records {rows.dtype}{rows.shape} do not fit {cap} slots of "
                              f"{n_head_kv} x {head_dim}")
         view = lambda dtype, at, width: np.ndarray(  # noqa: E731
             (cap, n_head_kv, width), dtype, rows, at, (rec, width * np.dtype(dtype).itemsize, np.dtype(dtype).itemsize))
-        row = n_head_kv * w * isz
+        row = self._row(n_head_kv, head_dim)
         k, v = view(self.dtype, 0, w), view(self.dtype, row, w)
         if not self.quantized:
             return k, v, np.zeros((1, 1, 1), np.float16), np.zeros((1, 1, 1), np.float16)
