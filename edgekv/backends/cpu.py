@@ -31,6 +31,22 @@ from .threads import RUNNING, ThreadTuner
 
 _NONE1 = np.empty(0, np.float32)  # qmatmul.run's unused pre_w / post_w
 _NONE2 = np.empty((0, 0), np.float32)  # and residual
+
+
+def _type_key(state: tuple):
+    """What numba's dispatch finds an argument's compiled types by (equal keys: one numba type),
+    ~0.5 us for a cache's pack where numba.typeof takes ~190 us (~6 ms a new cache of 30
+    layers, at its first decode token); the type itself where that key cannot be had."""
+    try:
+        from numba._dispatcher import compute_fingerprint
+
+        return compute_fingerprint(state)
+    except (ImportError, ValueError, TypeError):  # numba's private name moved, or a value it cannot key
+        from numba import typeof
+
+        return typeof(state)
+
+
 _GROUPS = 256  # batches' typed lists of caches kept (CPUBackend._group): a layer each, so ~8 batches of 30 layers
 
 
@@ -262,7 +278,7 @@ class CPUBackend(AttentionStep):
             lk.place(plan)
         states = [self._layer(lk) for lk in layers]
         ats = np.array([plan.one_token + (plan.shift,) for plan in plans], np.int64)
-        if all(s[1] is states[0][1] for s in states):  # the kernel takes one numba type of cache (every kind's)
+        if all(s[1] == states[0][1] for s in states):  # the kernel takes one numba type of cache (every kind's)
             self.blk.decode_block(pack, x, pos, self._group(layers, states), ats, _threads())
         else:  # never seen: each token alone, the weights read once per sequence
             for j, s in enumerate(states):
@@ -272,15 +288,14 @@ class CPUBackend(AttentionStep):
         return True
 
     def _layer(self, kv: LayerKV) -> tuple:
-        """The cache's arrays packed for the one-call decode kernels (kvquant.kv_decode_layer),
-        their numba type and the pack alone in a typed list (block.decode_block's), once per cache."""
+        """The cache's arrays packed for the one-call decode kernels (kvquant.kv_decode_layer), a
+        key of their numba type (two packs with equal keys type alike) and the pack alone in a
+        typed list (block.decode_block's), once per cache."""
         if kv.backend_state is None:
-            from numba import typeof
-
             state = self.kvq.kv_decode_layer(kv.kind, kv.k, kv.k_scale, kv.v, kv.v_scale, kv.pos, kv.n_sink, kv.span,
                                              kv.rk, kv.rv, kv.rpos, kv.recent, kv.first, kv.mu, kv.kmul,
                                              None if kv.evictor is None else kv.evictor.kernel)
-            kv.backend_state = state, typeof(state), self.blk.cache_list([state])
+            kv.backend_state = state, _type_key(state), self.blk.cache_list([state])
         return kv.backend_state
 
     def _group(self, layers: tuple, states: list):
