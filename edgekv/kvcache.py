@@ -64,6 +64,7 @@ rings of 1024 / 512 (bench/RESULTS.md).
 from __future__ import annotations
 
 import mmap
+import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -97,6 +98,10 @@ def recent_bytes(kind: str, n_layer: int, n_head_kv: int, head_dim: int) -> int:
     """Fixed bytes of the exact slots of an int cache: FIRST + RECENT f16 tokens (K and V)
     per layer, whatever the capacity (default sinks; less for a ring too small to hold them)."""
     return n_layer * (FIRST + RECENT) * 2 * n_head_kv * head_dim * 2 if KINDS[kind].quantized else 0
+
+
+# what a layer's plan of one token depends on under the window policy (LayerKV.plan)
+_PLAN_KEY = operator.attrgetter("capacity", "n_sink", "recent", "first", "n_written", "exact_from")
 
 
 def cache_bytes(kind: str, capacities: list[int], n_head_kv: int, head_dim: int) -> int:
@@ -718,6 +723,17 @@ class KVCache:
     def __getitem__(self, layer: int) -> LayerKV:
         return self.layers[layer]
 
+    def decode_plans(self, q_pos: np.ndarray) -> list[Plan] | None:
+        """The plans of one token at q_pos (1,) for every layer, as each layer's `plan` makes
+        them, made once for all the layers that plan it alike (one Plan object for them): a
+        batched decode step plans a sequence once, not once a layer. None under an eviction
+        policy, whose plans change what they plan (each layer plans in its own turn then)."""
+        if self.evict != "window":
+            return None
+        memo: dict = {}
+        return [memo[key] if key in memo else memo.setdefault(key, lk.plan(q_pos))
+                for lk, key in zip(self.layers, map(_PLAN_KEY, self.layers))]
+
     def fork(self) -> "KVCache":
         """A cache of its own holding what this one holds (LayerKV.fork: the filled slots shared,
         copy-on-write)."""
@@ -769,6 +785,9 @@ class BatchLayer(NamedTuple):
 
     layers: tuple[LayerKV, ...]
     starts: tuple[int, ...]  # len(layers) + 1 row offsets, from 0 to the batch's rows
+    # a decode step's plans, one a sequence (KVCache.decode_plans), made before the step; layers
+    # whose sequences all plan alike share one tuple object. None: each layer plans in its turn
+    plans: tuple[Plan, ...] | None = None
 
     def parts(self):
         """(layer, first row, end row) per sequence."""
@@ -796,10 +815,19 @@ class BatchCache:
     """Several sequences' caches as one cache for a model's forward pass over their stacked
     tokens (caches[j] takes counts[j] rows, in order): `[i]` is layer i of every sequence."""
 
-    def __init__(self, caches: list[KVCache], counts: list[int]):
+    def __init__(self, caches: list[KVCache], counts: list[int], q_pos: np.ndarray | None = None):
+        """q_pos (n,) int64: a decode step's positions (counts all 1), planned here once a
+        sequence for all its alike layers (KVCache.decode_plans)."""
         starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(counts)]))
         self.caches = caches
-        self.views = [BatchLayer(tuple(c.layers[i] for c in caches), starts) for i in range(len(caches[0].layers))]
+        layers = list(zip(*(c.layers for c in caches)))  # layer i of every sequence
+        plans = [None] * len(layers)
+        if q_pos is not None:
+            each = [c.decode_plans(q_pos[j : j + 1]) for j, c in enumerate(caches)]
+            if all(p is not None for p in each):
+                same: dict = {}  # a column of plans alike as a column before it: that tuple object
+                plans = [same.setdefault(tuple(map(id, col)), col) for col in zip(*each)]
+        self.views = [BatchLayer(lks, starts, ps) for lks, ps in zip(layers, plans)]
 
     def __getitem__(self, layer: int) -> BatchLayer:
         return self.views[layer]

@@ -165,7 +165,7 @@ class LLM:
             pos = np.array([batch[j][2] for j in group], dtype=np.int64)
             for j in group:
                 self._protect(batch[j][1], batch[j][0], batch[j][2])
-            cache = BatchCache([batch[j][1] for j in group], [1] * len(group))
+            cache = BatchCache([batch[j][1] for j in group], [1] * len(group), pos)
             with step(len(group)) if step else _NO_STEP:
                 logits = self.model.forward(ids, pos, cache, last_only=False)  # (len(group), n_vocab)
             for r, j in enumerate(group):

@@ -59,6 +59,33 @@ def test_trim_rolls_back_before_wrap():
     assert all(lk.n_written == 6 and lk.live.sum() == 6 for lk in cache.layers)
 
 
+def test_decode_plans_are_each_layers_own_plan_made_once_for_alike_layers():
+    # sliding and global layers (two ring sizes, sinks on the global ones only) through a wrap
+    # and after a rollback: every layer's plan is what it plans alone; alike layers share one
+    # object, and a batch's layers whose sequences all plan alike share one tuple of them
+    from edgekv.kvcache import BatchCache
+
+    caches = [KVCache([8, 12, 8, 12], 1, 32, windows=[8, 0, 8, 0], kind=k) for k in ("f16", "int8")]
+    x = np.ones((1, 1, 32), np.float32)
+    for step in range(20):
+        if step == 6:
+            assert all(c.trim(4) for c in caches)
+        q_pos = np.array([caches[0].layers[0].n_written], np.int64)  # 0 .. 5, then 4 .. 17
+        views = BatchCache(caches, [1, 1], np.concatenate([q_pos, q_pos])).views
+        for j, c in enumerate(caches):
+            plans = c.decode_plans(q_pos)
+            assert plans == [lk.plan(q_pos) for lk in c.layers]
+            assert plans[0] is plans[2] and plans[1] is plans[3] and plans[0] != plans[1]
+            assert [v.plans[j] for v in views] == plans
+            for lk in c.layers:
+                _write(lk, x, x, q_pos)
+        assert views[0].plans is views[2].plans and views[1].plans is views[3].plans
+    assert all(lk.n_written > lk.capacity for c in caches for lk in c.layers)  # every ring wrapped
+    h2o = KVCache([8, 12], 1, 32, evict="h2o")
+    assert h2o.decode_plans(np.array([0], np.int64)) is None  # a policy plans each layer in its turn
+    assert BatchCache([caches[0], h2o], [1, 1], np.array([20, 0], np.int64)).views[0].plans is None
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_layout_roundtrip_and_size(kind):
     x = np.random.default_rng(1).standard_normal((5, 3, 64)).astype(np.float32)

@@ -189,6 +189,7 @@ class CPUBackend(AttentionStep):
         self._local = threading.local()  # numba's thread count belongs to the calling thread
         self.ops, self.qm, self.kvq, self.blk, self.ev_kernels = ops, qmatmul, kvquant, block, evict
         self._groups: dict = {}  # tuple of LayerKV ids -> (their packs, typed list, weak refs): _group
+        self._ats: tuple = (None, None)  # the last batch's plans and their (n, 5) array (run_block)
         self.batch_rows = qmatmul.SMALL_N  # the decode kernel's rows: each computed as if alone (LLM.forward_batch)
         mode = os.environ.get("EDGEKV_WEIGHTS", "auto")
         if mode not in ("auto", "map", "copy"):
@@ -273,11 +274,16 @@ class CPUBackend(AttentionStep):
         layers = kv.layers
         if pos.shape[0] != len(layers) or not all(lk.n_written for lk in layers):
             return False
-        plans = [lk.plan(pos[j : j + 1]) for j, lk in enumerate(layers)]  # a plan may resize (lend): then pack
+        plans = kv.plans  # made before the step, the same tuple for alike layers (then the same ats)
+        if plans is None:
+            plans = [lk.plan(pos[j : j + 1]) for j, lk in enumerate(layers)]  # a plan may resize (lend): then pack
         for lk, plan in zip(layers, plans):
             lk.place(plan)
         states = [self._layer(lk) for lk in layers]
-        ats = np.array([plan.one_token + (plan.shift,) for plan in plans], np.int64)
+        last = self._ats  # one read: another thread may set it meanwhile
+        if last[0] is not plans:
+            last = self._ats = plans, np.array([plan.one_token + (plan.shift,) for plan in plans], np.int64)
+        ats = last[1]
         if all(s[1] == states[0][1] for s in states):  # the kernel takes one numba type of cache (every kind's)
             self.blk.decode_block(pack, x, pos, self._group(layers, states), ats, _threads())
         else:  # never seen: each token alone, the weights read once per sequence
