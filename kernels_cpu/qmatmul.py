@@ -1168,16 +1168,17 @@ def packable(qtype: int, shapes) -> bool:
     return 64 in _VPDPBUSD and all(x16_fits(qtype, *sh) for sh in shapes if sh[0])
 
 
-def pack(qw: QWeight) -> QWeight:
+def pack(qw: QWeight, alloc=_aligned) -> QWeight:
     """qw in this machine's faster decode layout where there is one, else qw itself: Q4_0, Q4_1,
     Q8_0 and Q4_K with AVX-512 VNNI -> their X16 layout (layouts.py; every part whole groups of 16
-    rows and pairs of blocks). The parts are new arrays: the caller's may be released."""
+    rows and pairs of blocks). The parts are new arrays from alloc(shape) (empty uint8, 64-byte
+    aligned): the caller's may be released."""
     if not packable(qw.qtype, [p.shape for p in qw.ws]):
         return qw
     parts = []
     for p in qw.ws:
         if p.shape[0]:
-            d = _aligned(p.shape)
+            d = alloc(p.shape)
             if qw.qtype == Q4_K:
                 repack_x16_k4(p, d)
             else:

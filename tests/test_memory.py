@@ -293,3 +293,35 @@ def test_weights_copied_out_of_the_map_on_request(monkeypatch, tiny_models):
     monkeypatch.setenv("EDGEKV_WEIGHTS", "mapped")
     with pytest.raises(EdgekvError, match="EDGEKV_WEIGHTS must be auto, map or copy"):
         LLM(path, n_ctx=64)
+
+
+@linux_only
+def test_weights_a_backend_repacks_or_copies_share_chunks_on_huge_pages():
+    """The CPU backend's arena (backends/cpu.py _Arena): pieces 64-byte aligned and side by side,
+    a chunk's first on a 2 MiB boundary (its huge pages), a piece larger than a chunk in a chunk
+    of its own; a chunk is unmapped once no array in it is left."""
+    import gc
+    import weakref
+
+    from edgekv.backends.cpu import _Arena
+
+    arena = _Arena()
+    if not arena.huge:
+        pytest.skip("no transparent huge pages here")
+    arena.CHUNK = 1 << 20
+    a, b = arena.take((3, 100)), arena.take((5, 64))
+    assert a.ctypes.data % arena.HUGE == 0 and b.ctypes.data == a.ctypes.data + 320
+    under = lambda x: x.base.base.obj  # noqa: E731 (a piece -> its chunk's array -> memoryview -> mmap)
+    chunk = weakref.ref(under(a))
+    big = arena.take((5, 1 << 20))  # more than the 4 MiB chunk holds
+    c = arena.take((1, 64))
+    assert under(big) is not under(a) and under(c) is under(big) and under(b) is under(a)
+    assert big.ctypes.data % arena.HUGE == 0 and c.ctypes.data == big.ctypes.data + (5 << 20)
+    a[:], b[:] = 1, 2
+    assert a.sum() == 300 and b.sum() == 640  # apart
+    del a
+    gc.collect()
+    assert chunk() is not None  # b is still in it
+    del b
+    gc.collect()
+    assert chunk() is None

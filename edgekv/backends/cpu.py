@@ -63,9 +63,42 @@ def _release(raw: np.ndarray) -> None:
         libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
-def _resident(raw: np.ndarray) -> np.ndarray:
+class _Arena:
+    """Anonymous memory for the weights the backend repacks or copies: 64-byte-aligned pieces
+    side by side in chunks on transparent huge pages (madvise MADV_HUGEPAGE; Linux). numpy asks
+    for huge pages itself for an array of 4 MiB or more, so a 7B's matrices had them already; a
+    small model's are smaller (SmolLM2's 0.2-1.8 MB) and were on 4 KiB pages, a TLB miss every
+    4 KiB. SmolLM2's batched decode steps, 4 / 8 sequences: -0.3-0.6 / -0.6-1.2 ms; one: -0.15-0.3
+    (bench/RESULTS.md). A chunk is unmapped when its last array goes; its unused tail is never
+    touched, so it takes no memory."""
+
+    CHUNK = 64 << 20
+    HUGE = 2 << 20
+
+    def __init__(self):
+        self.huge = hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage")
+        self.buf, self.at = np.empty(0, np.uint8), 0  # the chunk pieces come from, its next free byte
+
+    def take(self, shape: tuple[int, int]) -> np.ndarray:
+        """An empty uint8 array of this shape, 64-byte aligned (qmatmul.pack's alloc)."""
+        n = shape[0] * shape[1]
+        if self.at + n > self.buf.shape[0]:  # a new chunk (a matrix larger than a chunk: one of its own)
+            size = -(-max(n, self.CHUNK) // self.HUGE) * self.HUGE + self.HUGE
+            if self.huge:
+                m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                m.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: huge pages from the start
+                self.buf = np.frombuffer(m, np.uint8)  # the arrays keep the map alive
+            else:
+                self.buf = np.empty(size, np.uint8)
+            self.at = -self.buf.ctypes.data % (self.HUGE if self.huge else 64)
+        out = self.buf[self.at : self.at + n].reshape(shape)
+        self.at += -(-n // 64) * 64
+        return out
+
+
+def _resident(raw: np.ndarray, arena: _Arena) -> np.ndarray:
     """A read-only copy of a weight's blocks in anonymous memory, its pages of the map given back."""
-    out = np.empty_like(raw)
+    out = arena.take(raw.shape)  # uint8 (rows, row bytes), as every tensor's raw blocks
     np.copyto(out, raw)
     out.flags.writeable = False
     _release(raw)
@@ -196,6 +229,7 @@ class CPUBackend(AttentionStep):
             from ..errors import EdgekvError
             raise EdgekvError(f"EDGEKV_WEIGHTS must be auto, map or copy, not {mode!r}")
         self.copy_weights = mode == "copy"
+        self.arena = _Arena()  # where repacked and copied weights live
         self.repack = mode != "map"  # Q4_0/Q4_1/Q8_0/Q4_K in the decode kernels' interleaved layout (qmatmul.pack)
 
     # -- threads ---------------------------------------------------------------------
@@ -221,21 +255,20 @@ class CPUBackend(AttentionStep):
     def prepare(self, t: Tensor):
         """The weight's memory-mapped blocks (or their copy: EDGEKV_WEIGHTS=copy), checked once
         here (qmatmul.QWeight) so that the per-token calls skip the checks."""
-        return self._packed([t], self.qm.QWeight(self._raw(t), t.qtype))
+        return self._weight([t])
 
-    def _raw(self, t: Tensor) -> np.ndarray:
-        return _resident(t.raw) if self.copy_weights else t.raw
-
-    def _packed(self, ts: list[Tensor], qw):
-        """qw repacked for this machine's decode kernels where that is faster (qmatmul.pack), the
-        tensors' pages of the map then given back: the process holds the one repacked copy."""
-        if not self.repack:
-            return qw
-        out = self.qm.pack(qw)
-        if out is not qw and not self.copy_weights:
+    def _weight(self, ts: list[Tensor]):
+        """Tensors of one type on one input as one QWeight: repacked for this machine's decode
+        kernels where that is faster (qmatmul.pack), else their blocks in the map (or copied:
+        EDGEKV_WEIGHTS=copy). A repacked or copied tensor's pages of the map are given back: the
+        process holds one copy."""
+        qtype = ts[0].qtype
+        if self.repack and self.qm.packable(qtype, [t.raw.shape for t in ts]):
+            out = self.qm.pack(self.qm.QWeight(tuple(t.raw for t in ts), qtype), self.arena.take)
             for t in ts:
                 _release(t.raw)
-        return out
+            return out
+        return self.qm.QWeight(tuple(_resident(t.raw, self.arena) if self.copy_weights else t.raw for t in ts), qtype)
 
     def fuse(self, ts: list[Tensor]):
         """Same-type matrices on one input (QKV, gate+up) go to qmatmul as one tuple: one
@@ -248,7 +281,7 @@ class CPUBackend(AttentionStep):
                 parts[-1].append(t)
             else:
                 parts.append([t])
-        runs = tuple(self._packed(g, self.qm.QWeight(tuple(self._raw(t) for t in g), g[0].qtype)) for g in parts)
+        runs = tuple(self._weight(g) for g in parts)
         return runs[0] if len(runs) == 1 else runs
 
     def decoder_block(self, *, rope: Rope, **parts):
