@@ -730,9 +730,9 @@ class KVCache:
         policy, whose plans change what they plan (each layer plans in its own turn then)."""
         if self.evict != "window":
             return None
-        memo: dict = {}
-        return [memo[key] if key in memo else memo.setdefault(key, lk.plan(q_pos))
-                for lk, key in zip(self.layers, map(_PLAN_KEY, self.layers))]
+        keys = list(map(_PLAN_KEY, self.layers))
+        plans = {key: lk.plan(q_pos) for key, lk in dict(zip(keys, self.layers)).items()}  # a layer of each kind plans
+        return list(map(plans.__getitem__, keys))
 
     def fork(self) -> "KVCache":
         """A cache of its own holding what this one holds (LayerKV.fork: the filled slots shared,

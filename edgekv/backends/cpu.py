@@ -12,6 +12,7 @@ EDGEKV_WEIGHTS=copy copies every matrix to anonymous memory: decode read them 6-
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import threading
 import time
@@ -47,6 +48,7 @@ def _type_key(state: tuple):
         return typeof(state)
 
 
+_WRITTEN, _STATE = operator.attrgetter("n_written"), operator.attrgetter("backend_state")  # of LayerKVs, in C
 _GROUPS = 256  # batches' typed lists of caches kept (CPUBackend._group): a layer each, so ~8 batches of 30 layers
 
 
@@ -305,23 +307,24 @@ class CPUBackend(AttentionStep):
             kv.commit(plan)
             return True
         layers = kv.layers
-        if pos.shape[0] != len(layers) or not all(lk.n_written for lk in layers):
+        if pos.shape[0] != len(layers) or not all(map(_WRITTEN, layers)):
             return False
         plans = kv.plans  # made before the step, the same tuple for alike layers (then the same ats)
         if plans is None:
             plans = [lk.plan(pos[j : j + 1]) for j, lk in enumerate(layers)]  # a plan may resize (lend): then pack
         for lk, plan in zip(layers, plans):
             lk.place(plan)
-        states = [self._layer(lk) for lk in layers]
         last = self._ats  # one read: another thread may set it meanwhile
         if last[0] is not plans:
             last = self._ats = plans, np.array([plan.one_token + (plan.shift,) for plan in plans], np.int64)
         ats = last[1]
-        if all(s[1] == states[0][1] for s in states):  # the kernel takes one numba type of cache (every kind's)
-            self.blk.decode_block(pack, x, pos, self._group(layers, states), ats, _threads())
+        group = self._group(layers)
+        if group is not None:
+            self.blk.decode_block(pack, x, pos, group, ats, _threads())
         else:  # never seen: each token alone, the weights read once per sequence
-            for j, s in enumerate(states):
-                self.blk.decode_block(pack, x[j : j + 1], pos[j : j + 1], s[2], ats[j : j + 1], _threads())
+            for j, lk in enumerate(layers):
+                self.blk.decode_block(pack, x[j : j + 1], pos[j : j + 1], self._layer(lk)[2], ats[j : j + 1],
+                                      _threads())
         for lk, plan in zip(layers, plans):
             lk.commit(plan)
         return True
@@ -337,16 +340,20 @@ class CPUBackend(AttentionStep):
             kv.backend_state = state, _type_key(state), self.blk.cache_list([state])
         return kv.backend_state
 
-    def _group(self, layers: tuple, states: list):
+    def _group(self, layers: tuple):
         """One layer of a batch's caches as the typed list block.decode_block takes, kept while
         the same caches decode together (continuous batching's usual step): made anew it costs
-        ~10 us, a step's whole Python per layer. An entry goes when one of its layers is
-        collected or its pack changed (a resize, a load); at most _GROUPS entries are kept, so
-        that packs of caches no batch uses any more are not held for long."""
+        ~10 us, a step's whole Python per layer. None where their packs type differently (the
+        kernel takes one numba type; every kind's packs type alike). An entry goes when one of its
+        layers is collected or its pack changed (a resize, a load); at most _GROUPS entries are
+        kept, so that packs of caches no batch uses any more are not held for long."""
         key = tuple(map(id, layers))
         got = self._groups.get(key)
-        if got is not None and all(a is b for a, b in zip(got[0], states)):
+        if got is not None and all(map(operator.is_, got[0], map(_STATE, layers))):
             return got[1]
+        states = [self._layer(lk) for lk in layers]
+        if any(s[1] != states[0][1] for s in states):
+            return None
         if len(self._groups) >= _GROUPS:
             self._groups.clear()
         out = self.blk.cache_list([s[0] for s in states])
