@@ -957,6 +957,7 @@ def _decode_core(L, q, k, v, q_pos, at, rope, scale, par, out, softcap):
     unrotated = slot[0] < 0  # False, typed bool: kv_store's own _store_core, not one for a literal False
     _store_core(kind, ko, K, slot, unrotated, B)
     _store_core(kind, vo, V, slot, unrotated, B)
+    pos[slot0] = p  # the slot's position, as the cache's place records it (the same value)
     # with exact recent slots the token is read exact from the fresh batch, hidden in the ring
     m = 1 if recent > 0 else 0
     fk = ko[:m].copy()
@@ -979,11 +980,12 @@ def _decode_core(L, q, k, v, q_pos, at, rope, scale, par, out, softcap):
         if m:
             fslot[0] = slot0
         _score_update(sc, pos[:n_ring], rpos.shape[0], rslot, fslot, mode, score)
-    if m:  # the exact copy, in the plan's row (the cache records its position)
+    if m:  # the exact copy, in the plan's row, and its position (as the cache's commit records it)
         for g in range(n_head_kv):
             for c in range(hd):
                 rk[row, g, c] = _narrow(ko[0, g, c])
                 rv[row, g, c] = _narrow(vo[0, g, c])
+        rpos[row] = p
 
 
 def kv_decode_layer(kind: str, k_arr: np.ndarray, k_scale: np.ndarray, v_arr: np.ndarray, v_scale: np.ndarray,
@@ -1010,12 +1012,13 @@ def kv_decode(layer: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: 
     decode step): what kv_space, kv_store of k and v, kv_attention (the token itself read exact
     when the layer keeps recent copies) and the exact-row write do one after another.
     q (1, H, hd), k, v (1, Hkv, hd) float32 after RoPE, q_pos (1,) int64.
-    at (slot, n_ring, exact_lo, exact_row): the cache's plan for the token (edgekv.kvcache.Plan),
-    its position already recorded in the ring's pos. rope (inv_freq (n_rot/2,) float64, neox,
+    at (slot, n_ring, exact_lo, exact_row): the cache's plan for the token (edgekv.kvcache.Plan);
+    the token's position is written to the slot's pos and the exact row's rpos here (the values
+    the cache's place and commit write: a caller may do either, LayerKV.stored). rope (inv_freq (n_rot/2,) float64, neox,
     shift): once the ring is full, sinks are scored by q turned back by shift positions
     (kv_attention's q_sink and sink_bias). softcap: kv_attention's. threads: the calling thread's
     numba count where the caller knows it (block.decode_block's). Writes out (1, H, hd) and
-    returns it; the caller's cache records the exact row and advances its cursor."""
+    returns it; the caller's cache advances its cursor."""
     _decode_core(layer, q, k, v, q_pos, at, rope, np.float32(scale),
                  (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, threads or get_num_threads()), out, np.float32(softcap))
     return out

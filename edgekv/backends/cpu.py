@@ -301,19 +301,23 @@ class CPUBackend(AttentionStep):
             if pos.shape[0] != 1 or not kv.n_written:
                 return False
             plan = kv.plan(pos)  # a plan may resize (lend): then pack
-            kv.place(plan)
+            if kv.evictor is not None:  # its hooks run in place and commit
+                kv.place(plan)
             at = np.array((plan.one_token + (plan.shift,),), np.int64)
             self.blk.decode_block(pack, x, pos, self._layer(kv)[2], at, _threads())
-            kv.commit(plan)
+            if kv.evictor is not None:
+                kv.commit(plan)
+            else:  # the kernel wrote the positions
+                kv.stored(plan)
             return True
         layers = kv.layers
         if pos.shape[0] != len(layers) or not all(map(_WRITTEN, layers)):
             return False
-        plans = kv.plans  # made before the step, the same tuple for alike layers (then the same ats)
+        plans = kv.plans  # made before the step (no eviction policy), the same tuple for alike layers
         if plans is None:
             plans = [lk.plan(pos[j : j + 1]) for j, lk in enumerate(layers)]  # a plan may resize (lend): then pack
-        for lk, plan in zip(layers, plans):
-            lk.place(plan)
+            for lk, plan in zip(layers, plans):
+                lk.place(plan)
         last = self._ats  # one read: another thread may set it meanwhile
         if last[0] is not plans:
             last = self._ats = plans, np.array([plan.one_token + (plan.shift,) for plan in plans], np.int64)
@@ -325,8 +329,9 @@ class CPUBackend(AttentionStep):
             for j, lk in enumerate(layers):
                 self.blk.decode_block(pack, x[j : j + 1], pos[j : j + 1], self._layer(lk)[2], ats[j : j + 1],
                                       _threads())
+        advance = LayerKV.commit if kv.plans is None else LayerKV.stored  # stored: the kernel wrote the positions
         for lk, plan in zip(layers, plans):
-            lk.commit(plan)
+            advance(lk, plan)
         return True
 
     def _layer(self, kv: LayerKV) -> tuple:
