@@ -63,6 +63,7 @@ rings of 1024 / 512 (bench/RESULTS.md).
 """
 from __future__ import annotations
 
+import itertools
 import mmap
 import operator
 from dataclasses import dataclass, field
@@ -744,6 +745,8 @@ class KVCache:
         if self.evict != "window":
             return None
         keys = list(map(_PLAN_KEY, self.layers))
+        if keys.count(keys[0]) == len(keys):  # one kind of layer (every llama-style model)
+            return [self.layers[0].plan(q_pos)] * len(keys)
         plans = {key: lk.plan(q_pos) for key, lk in dict(zip(keys, self.layers)).items()}  # a layer of each kind plans
         return list(map(plans.__getitem__, keys))
 
@@ -831,13 +834,15 @@ class BatchCache:
     def __init__(self, caches: list[KVCache], counts: list[int], q_pos: np.ndarray | None = None):
         """q_pos (n,) int64: a decode step's positions (counts all 1), planned here once a
         sequence for all its alike layers (KVCache.decode_plans)."""
-        starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(counts)]))
+        starts = tuple(itertools.accumulate(map(int, counts), initial=0))
         self.caches = caches
         layers = list(zip(*(c.layers for c in caches)))  # layer i of every sequence
         plans = [None] * len(layers)
         if q_pos is not None:
             each = [c.decode_plans(q_pos[j : j + 1]) for j, c in enumerate(caches)]
-            if all(p is not None for p in each):
+            if all(p is not None for p in each) and all(p.count(p[0]) == len(p) for p in each):
+                plans = [tuple(p[0] for p in each)] * len(layers)  # one kind of layer: one tuple for all
+            elif all(p is not None for p in each):
                 same: dict = {}  # a column of plans alike as a column before it: that tuple object
                 plans = [same.setdefault(tuple(map(id, col)), col) for col in zip(*each)]
         self.views = [BatchLayer(lks, starts, ps) for lks, ps in zip(layers, plans)]

@@ -99,7 +99,8 @@ class LLM:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise EdgekvError("forward needs a non-empty 1-D list of token ids")
-        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
+        lo, hi = (ids.item(0), ids.item(0)) if len(ids) == 1 else (ids.min(), ids.max())  # a decode step: no reductions
+        if lo < 0 or hi >= self.cfg.n_vocab:
             raise EdgekvError(f"token id out of range [0, {self.cfg.n_vocab})")
         return ids
 

@@ -81,6 +81,13 @@ def test_decode_plans_are_each_layers_own_plan_made_once_for_alike_layers():
                 _write(lk, x, x, q_pos)
         assert views[0].plans is views[2].plans and views[1].plans is views[3].plans
     assert all(lk.n_written > lk.capacity for c in caches for lk in c.layers)  # every ring wrapped
+    one = [KVCache([8] * 3, 1, 32, kind="int8") for _ in range(2)]  # one kind of layer
+    for lk in one[0].layers + one[1].layers:
+        _write(lk, x, x, np.array([0], np.int64))
+    q_pos = np.array([1], np.int64)
+    views = BatchCache(one, [1, 1], np.array([1, 1], np.int64)).views
+    assert all(v.plans is views[0].plans for v in views)
+    assert list(views[0].plans) == [c.layers[0].plan(q_pos) for c in one]
     h2o = KVCache([8, 12], 1, 32, evict="h2o")
     assert h2o.decode_plans(np.array([0], np.int64)) is None  # a policy plans each layer in its turn
     assert BatchCache([caches[0], h2o], [1, 1], np.array([20, 0], np.int64)).views[0].plans is None
