@@ -838,7 +838,7 @@ class BatchCache:
         self.caches = caches
         layers = list(zip(*(c.layers for c in caches)))  # layer i of every sequence
         plans = [None] * len(layers)
-        if q_pos is not None:
+        if q_pos is not None and starts[-1] == len(caches):  # one token a sequence
             each = [c.decode_plans(q_pos[j : j + 1]) for j, c in enumerate(caches)]
             if all(p is not None for p in each) and all(p.count(p[0]) == len(p) for p in each):
                 plans = [tuple(p[0] for p in each)] * len(layers)  # one kind of layer: one tuple for all
