@@ -298,27 +298,31 @@ def test_weights_copied_out_of_the_map_on_request(monkeypatch, tiny_models):
 @linux_only
 def test_weights_a_backend_repacks_or_copies_share_chunks_on_huge_pages():
     """The CPU backend's arena (backends/cpu.py _Arena): pieces 64-byte aligned and side by side,
-    a chunk's first on a 2 MiB boundary (its huge pages), a piece larger than a chunk in a chunk
-    of its own; a chunk is unmapped once no array in it is left."""
+    a chunk of 2 MiB or more mapped from a 2 MiB boundary (its huge pages), a piece larger than
+    what is left in a chunk of its own; a small model's first chunk no larger than its piece (the
+    address space a load reserves); a chunk is unmapped once no array in it is left."""
     import gc
     import weakref
 
     from edgekv.backends.cpu import _Arena
 
+    tiny = _Arena()
+    w = tiny.take((2, 100))
+    assert w.ctypes.data % 64 == 0 and tiny.buf.nbytes <= 200 + 64
     arena = _Arena()
     if not arena.huge:
         pytest.skip("no transparent huge pages here")
-    arena.CHUNK = 1 << 20
-    a, b = arena.take((3, 100)), arena.take((5, 64))
-    assert a.ctypes.data % arena.HUGE == 0 and b.ctypes.data == a.ctypes.data + 320
+    arena.CHUNK = 4 << 20
+    a, b = arena.take((3, 1 << 20)), arena.take((5, 64))
+    assert a.ctypes.data % arena.HUGE == 0 and b.ctypes.data == a.ctypes.data + (3 << 20)
     under = lambda x: x.base.base.obj  # noqa: E731 (a piece -> its chunk's array -> memoryview -> mmap)
     chunk = weakref.ref(under(a))
-    big = arena.take((5, 1 << 20))  # more than the 4 MiB chunk holds
+    big = arena.take((5, 1 << 20))  # more than the first chunk has left
     c = arena.take((1, 64))
     assert under(big) is not under(a) and under(c) is under(big) and under(b) is under(a)
     assert big.ctypes.data % arena.HUGE == 0 and c.ctypes.data == big.ctypes.data + (5 << 20)
     a[:], b[:] = 1, 2
-    assert a.sum() == 300 and b.sum() == 640  # apart
+    assert a.sum() == 3 << 20 and b.sum() == 640  # apart
     del a
     gc.collect()
     assert chunk() is not None  # b is still in it

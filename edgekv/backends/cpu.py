@@ -67,35 +67,44 @@ def _release(raw: np.ndarray) -> None:
 
 class _Arena:
     """Anonymous memory for the weights the backend repacks or copies: 64-byte-aligned pieces
-    side by side in chunks on transparent huge pages (madvise MADV_HUGEPAGE; Linux). numpy asks
-    for huge pages itself for an array of 4 MiB or more, so a 7B's matrices had them already; a
-    small model's are smaller (SmolLM2's 0.2-1.8 MB) and were on 4 KiB pages, a TLB miss every
-    4 KiB. SmolLM2's batched decode steps, 4 / 8 sequences: -0.3-0.6 / -0.6-1.2 ms; one: -0.15-0.3
-    (bench/RESULTS.md). A chunk is unmapped when its last array goes; its unused tail is never
-    touched, so it takes no memory."""
+    side by side in chunks, from 2 MiB on mapped on transparent huge pages (madvise
+    MADV_HUGEPAGE; Linux). numpy asks for huge pages itself for an array of 4 MiB or more, so a
+    7B's matrices had them already; a small model's are smaller (SmolLM2's 0.2-1.8 MB) and were
+    on 4 KiB pages, a TLB miss every 4 KiB. SmolLM2's batched decode steps, 4 / 8 sequences:
+    -0.3-0.6 / -0.6-1.2 ms; one: -0.15-0.3 (bench/RESULTS.md). A new chunk is as large as what
+    the arena holds already (up to CHUNK), so a tiny model reserves little address space; a chunk
+    is unmapped when its last array goes, and its unused tail is never touched."""
 
     CHUNK = 64 << 20
     HUGE = 2 << 20
 
     def __init__(self):
         self.huge = hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage")
-        self.buf, self.at = np.empty(0, np.uint8), 0  # the chunk pieces come from, its next free byte
+        self.buf, self.at, self.total = np.empty(0, np.uint8), 0, 0  # the chunk, its next free byte; bytes handed out
 
     def take(self, shape: tuple[int, int]) -> np.ndarray:
         """An empty uint8 array of this shape, 64-byte aligned (qmatmul.pack's alloc)."""
         n = shape[0] * shape[1]
-        if self.at + n > self.buf.shape[0]:  # a new chunk (a matrix larger than a chunk: one of its own)
-            size = -(-max(n, self.CHUNK) // self.HUGE) * self.HUGE + self.HUGE
-            if self.huge:
+        if self.at + n > self.buf.shape[0]:
+            self._chunk(max(n, min(self.CHUNK, self.total)))
+        out = self.buf[self.at : self.at + n].reshape(shape)
+        self.at += -(-n // 64) * 64
+        self.total += n
+        return out
+
+    def _chunk(self, size: int) -> None:
+        if self.huge and size >= self.HUGE:
+            size = -(-size // self.HUGE) * self.HUGE + self.HUGE  # whole huge pages from an aligned start
+            try:
                 m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 m.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: huge pages from the start
                 self.buf = np.frombuffer(m, np.uint8)  # the arrays keep the map alive
-            else:
-                self.buf = np.empty(size, np.uint8)
-            self.at = -self.buf.ctypes.data % (self.HUGE if self.huge else 64)
-        out = self.buf[self.at : self.at + n].reshape(shape)
-        self.at += -(-n // 64) * 64
-        return out
+                self.at = -self.buf.ctypes.data % self.HUGE
+                return
+            except OSError:  # no address space for it (a limit): as numpy allocates, which says MemoryError
+                pass
+        self.buf = np.empty(size + 64, np.uint8)
+        self.at = -self.buf.ctypes.data % 64
 
 
 def _resident(raw: np.ndarray, arena: _Arena) -> np.ndarray:
