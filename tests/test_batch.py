@@ -265,6 +265,39 @@ def test_ctrl_c_while_the_worker_runs_the_pass_leaves_every_sequence_whole(monke
     assert not llm.batcher._pending and not llm.batcher._done
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_ctrl_c_in_a_decode_step_waits_for_its_token(monkeypatch, batched):
+    # Ctrl-C in the middle of a decode step (here at its first layer's fused block) is held until
+    # the step's every layer has run, then raised: it never lands inside numba's dispatch of a
+    # block (where it would surface as a TypeError), and the caches stay whole
+    import signal
+
+    llm = llm_for("llama", "cpu", "int8", 64)
+    be, inner, calls = llm.backend, llm.backend.blk.decode_block, []
+
+    def decode_block(pack, x, pos, layers, ats, threads=None):
+        calls.append(len(layers))
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return inner(pack, x, pos, layers, ats, threads)
+
+    caches = [llm.new_cache() for _ in range(2)]
+    for j, c in enumerate(caches):
+        llm.forward([1, 4 + j, 9], c, 0)
+    monkeypatch.setattr(be.blk, "decode_block", decode_block)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if batched:
+                llm.forward_batch([([20 + j], c, 3) for j, c in enumerate(caches)])
+            else:
+                llm.forward([20], caches[0], 3)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert len(calls) == llm.cfg.n_layer  # every layer, then the interrupt
+    assert all(lk.n_written == 4 for c in caches[: 2 if batched else 1] for lk in c.layers)
+
+
 def test_generate_many_cancelled_like_generate():
     import threading
 
