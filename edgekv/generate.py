@@ -190,7 +190,8 @@ class Batcher:
     (LLM.forward_batch), whatever else shares the pass.
 
     Who runs a pass: a thread that generates alone runs its own (no hand-off, and Ctrl-C stops
-    it between layers, as without a scheduler). While several threads generate, one worker
+    a prompt's pass between layers and a decode step after its token, as without a scheduler:
+    LLM.forward). While several threads generate, one worker
     thread runs every pass: the kernels' OpenMP pool is that thread's, made once, instead of a
     pool in each thread that led a pass (with two pools alive libgomp's idle workers sleep
     between regions: kernels ran ~2x slower, bench/RESULTS.md). The worker gives its pool back

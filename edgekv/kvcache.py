@@ -303,8 +303,8 @@ class LayerKV:
     def stored(self, plan: Plan) -> None:
         """One token's place and commit after a kernel that wrote its slot's and its exact row's
         positions itself (kernels_cpu.kvquant's decode step): the counters only. No eviction
-        policy (its hooks run in place and commit). In a batched step these array writes were a
-        tenth of a SmolLM2 step at 8 sequences: each touches cold Python and numpy objects."""
+        policy (its hooks run in place and commit). In a SmolLM2 step of 8 sequences these two
+        numpy writes a layer and sequence cost 0.3-0.7 ms of ~10: each touches cold objects."""
         if plan.slot < self.clean:
             self.clean = plan.slot
         self._advance(plan)
