@@ -840,11 +840,12 @@ class BatchCache:
         plans = [None] * len(layers)
         if q_pos is not None and starts[-1] == len(caches):  # one token a sequence
             each = [c.decode_plans(q_pos[j : j + 1]) for j, c in enumerate(caches)]
-            if all(p is not None for p in each) and all(p.count(p[0]) == len(p) for p in each):
-                plans = [tuple(p[0] for p in each)] * len(layers)  # one kind of layer: one tuple for all
-            elif all(p is not None for p in each):
-                same: dict = {}  # a column of plans alike as a column before it: that tuple object
-                plans = [same.setdefault(tuple(map(id, col)), col) for col in zip(*each)]
+            if all(p is not None for p in each):
+                if all(p.count(p[0]) == len(p) for p in each):  # one kind of layer: one tuple for all
+                    plans = [tuple(p[0] for p in each)] * len(layers)
+                else:
+                    same: dict = {}  # a column of plans alike as a column before it: that tuple object
+                    plans = [same.setdefault(tuple(map(id, col)), col) for col in zip(*each)]
         self.views = [BatchLayer(lks, starts, ps) for lks, ps in zip(layers, plans)]
 
     def __getitem__(self, layer: int) -> BatchLayer:
