@@ -283,7 +283,7 @@ def _scales_k4_dot(row, o):
     s0, s1, s2 = word(row, o + 4), word(row, o + 8), word(row, o + 12)
     sc = (s0 & 0x3F3F3F3F) | (((s2 & 0x0F0F0F0F) | (((s0 >> 6) & 0x03030303) << 4)) << 32)
     mn = (s1 & 0x3F3F3F3F) | ((((s2 >> 4) & 0x0F0F0F0F) | (((s1 >> 6) & 0x03030303) << 4)) << 32)
-    v = cvt(view(pack2(sc, mn), np.uint8), np.int16)  # 8 scales (one per 32: _dot_k's nib), 8 mins
+    v = cvt(view(pack2(sc, mn), np.uint8), np.int16)  # 8 scales (one per 32: _k_pass's nib), 8 mins
     return half(row, o), half(row, o + 2), v, _MINS8(v)
 
 

@@ -13,7 +13,7 @@ matrix; rows are decoded a block at a time, in registers.
   products (vpdpbusd, pmaddubsw + vpdpwssd; the i-quants' 16-entry table is a byte shuffle,
   pshufb), four 32-element blocks or 64 K-type weights per product, the activations permuted per
   call to match the blocks' nibble order; one float FMA per 4 blocks (per 256 weights for K
-  types, per 128 for IQ4_XS).
+  types, per 128 for IQ4_XS). Each block is decoded once for up to 4 tokens (a batch's rows).
   More tokens (prefill): compute-bound. Quantized types: int8 activations and a tile of rows
   unpacked once for integer dot products over all tokens (kernels_cpu/igemm.py). Float types: a
   tile of rows x 32 tokens accumulates over k with broadcast-FMA (float32 throughout).
@@ -60,7 +60,7 @@ _PF_X16 = 8192  # the same for the X16 layouts, 2 or more tokens (4096 streamed 
 # Q4_KX16: 4096 ahead for 2 or more tokens (one 11008 x 4096 matrix streamed at 2 threads: 2 tokens
 # 16 -> 34 GB/s), none for one (26 with, 28-30 without, as the GGUF rows' 29-30)
 _PF_K4X16 = 4096
-# K-type GGUF rows (_dot_k): none on AMD Zen, whose own prefetcher keeps up with a row's stream
+# K-type GGUF rows (_k_pass): none on AMD Zen, whose own prefetcher keeps up with a row's stream
 # there, while software prefetch on top held Q6_K back (11008 x 4096, 2 threads, the host's fast
 # minutes: 47.5 GB/s without, 39.5 with, plain read 53; the same ~32 in its slow minutes); on
 # Sapphire Rapids the hardware prefetcher stops at each 4 KiB page (12-16 GB/s without, 24-26 with).
@@ -381,47 +381,59 @@ _HI8 = shuffler(*range(8, 16))
 _DM = shuffler(*[0] * 8, *[1] * 8)  # (d, dmin) -> 8 lanes of each
 
 
-@njit(inline="always")
-def _pair_k(w, o, i, xq, xb, sc, ia, pair):
-    """Elements 64i..64i+63 of the super-block at o (pair(w, o, i) -> uint8 x 64) dotted with the
-    int8 activations at xb, int32 sums times the int16 scales: ia plus those (pmaddubsw, vpdpwssd),
-    pairs 0 and 1 without ia."""
-    if i == 0:
-        sp = _SCQ0(sc)
-    elif i == 1:
-        sp = _SCQ1(sc)
-    elif i == 2:
-        sp = _SCQ2(sc)
-    else:
-        sp = _SCQ3(sc)
-    p = maddubs(pair(w, o, i), ld(xq, xb + 64 * i, 64))
-    return madd(p, sp) if i < 2 else madd_acc(ia, p, sp)  # pairs 0, 1 start the two chains
-
-
-@njit(inline="always")
-def _half_wide(w, o, h, xq, xb, xoff, xob, fs, fa, half):
-    """Elements 128h..128h+127 of the super-block at o, for quants past 127 (IQ4_XS's, up to 241:
-    pmaddubsw's pair sums would saturate): half(w, o, h) -> (lo, hi) in the quad layout the
-    activations were permuted to (_acts_quad), exact sums of 4 (vpdpbusd) started from xoff's
-    -off * (sums of xq), times the float scales fs into fa."""
-    lo, hi = half(w, o, h)
-    x = xb + 128 * h
-    i = dot4acc(dot4acc(ld(xoff, xob + 16 * h, 16), lo, ld(xq, x, 64)), hi, ld(xq, x + 64, 64))
-    return fma(cvt(i, np.float32), _SCH0(fs) if h == 0 else _SCH1(fs), fa)
+@njit(fastmath=True, inline="always")
+def _k_token(v0, v1, v2, v3, s0, s1, s2, s3, so, mn, dm, d, xq, xb, xdb, bsum, bi, off, has_min, acc, dacc):
+    """One token's share of a super-block decoded once (_k_pass): its quants v0..v3 (64 unsigned
+    bytes each, elements 64i.. or the halves of _quad_q4_k) times the int8 activations at xb,
+    int32 sums times the int16 scales s0..s3 in two chains (pmaddubsw, vpdpwssd), the offset's
+    share so (-off * scales) times the activations' per-16 sums, then one float FMA (with mins:
+    sums and mins side by side times d * xd and dmin * xd)."""
+    ia = madd(maddubs(v0, ld(xq, xb, 64)), s0)
+    ib = madd(maddubs(v1, ld(xq, xb + 64, 64)), s1)
+    ia = madd_acc(ia, maddubs(v2, ld(xq, xb + 128, 64)), s2)
+    ib = madd_acc(ib, maddubs(v3, ld(xq, xb + 192, 64)), s3)
+    ia = vadd(ia, ib)
+    bs = ld(bsum, 16 * bi, 16)
+    ia8 = vadd(_LO8(ia), _HI8(ia))
+    if off:
+        ia8 = vadd(ia8, madd(so, bs))
+    if has_min:
+        return acc, fma(cvt(cat(ia8, madd(mn, bs)), np.float32), _DM(vmul(dm, xdb)), dacc)
+    return fma(cvt(ia8, np.float32), splat(d * xdb, 8), acc), dacc
 
 
 @njit(fastmath=True, inline="always")
-def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has_min, dm_at, nib, wide):
-    # The sub-block scales are small integers: int32 sums over the super-block, one float FMA per
-    # 256 weights. Offsets and mins per super-block, 8 lanes of 2 sub-blocks: -d * off *
-    # sum(sc * bsum) and -dmin * sum(m * bsum), one pmaddwd each; with mins (dmin at byte dm_at
-    # after d) sums and mins share one FMA. 512-bit products, 64 weights each: chunk pairs
-    # (pair(w, o, i)), or `nib` (Q4_K, Q5_K) the halves of _quad_q4_k with sc one lane per 32.
-    # `wide` (IQ4_XS): float scales, one FMA per 128 weights, the offset in xoff. The weight
-    # stream is prefetched _PF_K bytes ahead (where the hardware prefetcher stops at each page).
-    acc = splat(f32(0), 8)
-    dacc = splat(f32(0), 16)
-    fa = splat(f32(0), 16)
+def _k_wide(lo0, hi0, lo1, hi1, scf, d, xq, xb, xoff, xob, xdb, fa):
+    """_k_token for quants past 127 (IQ4_XS's, up to 241: pmaddubsw's pair sums would saturate):
+    exact sums of 4 (vpdpbusd) started from xoff's -off * (sums of xq), in the quad layout the
+    activations were permuted to (_acts_quad), times the float scales into fa, a half at a time."""
+    fs = vmul(scf, d * xdb)
+    i = dot4acc(dot4acc(ld(xoff, xob, 16), lo0, ld(xq, xb, 64)), hi0, ld(xq, xb + 64, 64))
+    fa = fma(cvt(i, np.float32), _SCH0(fs), fa)
+    i = dot4acc(dot4acc(ld(xoff, xob + 16, 16), lo1, ld(xq, xb + 128, 64)), hi1, ld(xq, xb + 192, 64))
+    return fma(cvt(i, np.float32), _SCH1(fs), fa)
+
+
+@njit(fastmath=True, inline="always")
+def _k_total(acc, dacc, fa):
+    return hsum(acc) + hsum(fa) + hsum(_LO8(dacc)) - hsum(_HI8(dacc))
+
+
+@njit(fastmath=True, inline="always")
+def _k_pass(w, ro, xq, k, xd, bsum, xoff, t, nt, nb, scales, pair, nbytes, off, has_min, dm_at, nib, wide, out, c):
+    """out[t : t + nt, c] (nt 1, 2 or 4 tokens from t) for the K-type row at byte ro: each super-
+    block decoded once for the tokens, each token's sums in the same order whatever nt is (the
+    bits it gets alone). The sub-block scales are small integers: int32 sums over the super-block,
+    one float FMA per 256 weights (_k_token; IQ4_XS's float scales one per 128, _k_wide). pair(w,
+    o, i) -> 64 weights, or `nib` (Q4_K, Q5_K) the halves of _quad_q4_k with sc one lane per 32,
+    or `wide` (IQ4_XS) its halves. Offsets and mins per super-block, 8 lanes of 2 sub-blocks; with
+    mins (dmin at byte dm_at after d) sums and mins share one FMA. The weight stream is prefetched
+    _PF_K bytes ahead (where the hardware prefetcher stops at each page)."""
+    z8, z16 = splat(f32(0), 8), splat(f32(0), 16)
+    a0, a1, a2, a3 = z8, z8, z8, z8
+    m0, m1, m2, m3 = z16, z16, z16, z16
+    f0, f1, f2, f3 = z16, z16, z16, z16
+    xo, bo = t * k, t * nb
     for b in range(nb):
         o = ro + b * nbytes
         if _PF_K:
@@ -429,37 +441,46 @@ def _dot_k(w, ro, xq, xo, xd, bsum, xoff, bo, nb, scales, pair, nbytes, off, has
                 prefetch(w, o + _PF_K + p)
         d, dmin, sc, mn = scales(w, o)
         xb = xo + 256 * b
-        xdb = at(xd, bo + b)
         if wide:
-            fs = vmul(cvt(sc, np.float32), d * xdb)
-            fa = _half_wide(w, o, 0, xq, xb, xoff, (xo >> 2) + 32 * b, fs, fa, pair)
-            fa = _half_wide(w, o, 1, xq, xb, xoff, (xo >> 2) + 32 * b, fs, fa, pair)
+            lo0, hi0 = pair(w, o, 0)
+            lo1, hi1 = pair(w, o, 1)
+            scf = cvt(sc, np.float32)
+            xob = (xo >> 2) + 32 * b
+            f0 = _k_wide(lo0, hi0, lo1, hi1, scf, d, xq, xb, xoff, xob, at(xd, bo + b), f0)
+            if nt > 1:
+                f1 = _k_wide(lo0, hi0, lo1, hi1, scf, d, xq, xb + k, xoff, xob + k // 4, at(xd, bo + nb + b), f1)
+            if nt > 2:
+                f2 = _k_wide(lo0, hi0, lo1, hi1, scf, d, xq, xb + 2 * k, xoff, xob + k // 2, at(xd, bo + 2 * nb + b), f2)
+                f3 = _k_wide(lo0, hi0, lo1, hi1, scf, d, xq, xb + 3 * k, xoff, xob + 3 * k // 4, at(xd, bo + 3 * nb + b),
+                             f3)
         else:
             sc = opaque(sc)
             if nib:  # Q4_K, Q5_K: pair(w, o, h) -> the (lo, hi) of half h (_quad_q4_k), sc per 32
-                lo, hi = pair(w, o, 0)
-                ia = madd(maddubs(lo, ld(xq, xb, 64)), _SCN0(sc))
-                ib = madd(maddubs(hi, ld(xq, xb + 64, 64)), _SCN1(sc))
-                lo, hi = pair(w, o, 1)
-                ia = madd_acc(ia, maddubs(lo, ld(xq, xb + 128, 64)), _SCN2(sc))
-                ib = madd_acc(ib, maddubs(hi, ld(xq, xb + 192, 64)), _SCN3(sc))
+                v0, v1 = pair(w, o, 0)
+                v2, v3 = pair(w, o, 1)
+                s0, s1, s2, s3 = _SCN0(sc), _SCN1(sc), _SCN2(sc), _SCN3(sc)
             else:
-                z = splat(i32(0), 16)  # (unused: pairs 0 and 1 start the chains)
-                ia = _pair_k(w, o, 0, xq, xb, sc, z, pair)  # two chains of sums
-                ib = _pair_k(w, o, 1, xq, xb, sc, z, pair)
-                ia = _pair_k(w, o, 2, xq, xb, sc, ia, pair)
-                ib = _pair_k(w, o, 3, xq, xb, sc, ib, pair)
-            ia = vadd(ia, ib)
-            bs = ld(bsum, 16 * (bo + b), 16)
-            ia8 = vadd(_LO8(ia), _HI8(ia))
-            if off:
-                ia8 = vadd(ia8, madd(vmul(sc, -off), bs))
-            if has_min:  # sums and mins in one vector: times d * xd and dmin * xd, one FMA
-                dm = vmul(ld_f16(w, o + dm_at, 2), xdb)
-                dacc = fma(cvt(cat(ia8, madd(cvt(mn, np.int16), bs)), np.float32), _DM(dm), dacc)
-            else:
-                acc = fma(cvt(ia8, np.float32), splat(d * xdb, 8), acc)
-    return hsum(acc) + hsum(fa) + hsum(_LO8(dacc)) - hsum(_HI8(dacc))
+                v0, v1, v2, v3 = pair(w, o, 0), pair(w, o, 1), pair(w, o, 2), pair(w, o, 3)
+                s0, s1, s2, s3 = _SCQ0(sc), _SCQ1(sc), _SCQ2(sc), _SCQ3(sc)
+            so = vmul(sc, -off)
+            mn16 = cvt(mn, np.int16)
+            dm = ld_f16(w, o + dm_at, 2)
+            a0, m0 = _k_token(v0, v1, v2, v3, s0, s1, s2, s3, so, mn16, dm, d, xq, xb, at(xd, bo + b), bsum, bo + b,
+                              off, has_min, a0, m0)
+            if nt > 1:
+                a1, m1 = _k_token(v0, v1, v2, v3, s0, s1, s2, s3, so, mn16, dm, d, xq, xb + k, at(xd, bo + nb + b),
+                                  bsum, bo + nb + b, off, has_min, a1, m1)
+            if nt > 2:
+                a2, m2 = _k_token(v0, v1, v2, v3, s0, s1, s2, s3, so, mn16, dm, d, xq, xb + 2 * k,
+                                  at(xd, bo + 2 * nb + b), bsum, bo + 2 * nb + b, off, has_min, a2, m2)
+                a3, m3 = _k_token(v0, v1, v2, v3, s0, s1, s2, s3, so, mn16, dm, d, xq, xb + 3 * k,
+                                  at(xd, bo + 3 * nb + b), bsum, bo + 3 * nb + b, off, has_min, a3, m3)
+    out[t, c] = _k_total(a0, m0, f0)
+    if nt > 1:
+        out[t + 1, c] = _k_total(a1, m1, f1)
+    if nt > 2:
+        out[t + 2, c] = _k_total(a2, m2, f2)
+        out[t + 3, c] = _k_total(a3, m3, f3)
 
 
 @njit(fastmath=True, inline="always")
@@ -605,7 +626,7 @@ def _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, qtype):
 # activations give each sub-block's int32 sums, times the rows' 6-bit scales in int32 (exact: the
 # order of the sums cannot change a bit); the mins' sums one vpdpwssd per sub-block on the
 # activations' per-16 sums; then two FMAs a unit, d * xd and dmin * xd. The nibbles are unpacked
-# once for up to 4 tokens. (~3x fewer vector operations per byte than the GGUF rows' _dot_k.)
+# once for up to 4 tokens. (~3x fewer vector operations per byte, one token, than the GGUF rows' _k_pass.)
 _SUB0, _SUB1, _SUB2, _SUB3 = (shuffler(*range(16 * j, 16 * j + 16)) for j in range(4))  # sub-block's 16 rows
 _DUP0, _DUP1, _DUP2, _DUP3 = (shuffler(*[16 * j + r for r in range(16) for _ in range(2)]) for j in range(4))
 
@@ -729,11 +750,16 @@ def _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
 @njit(fastmath=True, inline="always")
 def _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, dm_at, nib,
             wide):
+    """A K type's GGUF rows r0 .. r1 - 1 for the n tokens, 4 at a time, then 2, then 1 (_k_pass; one
+    call site: numba's inlining copies the pass at each, and three took twice the compile time)."""
     nb = k // 256
     for r in range(r0, r1):
-        for t in range(n):
-            out[t, col + r] = _dot_k(w, r * rb, xq, t * k, xd, bsum, xoff, t * nb, nb, scales, pair, nbytes, off,
-                                     has_min, dm_at, nib, wide)
+        t = 0
+        while t < n:
+            nt = 4 if n - t >= 4 else (2 if n - t >= 2 else 1)
+            _k_pass(w, r * rb, xq, k, xd, bsum, xoff, t, nt, nb, scales, pair, nbytes, off, has_min, dm_at, nib, wide,
+                    out, col + r)
+            t += nt
 
 
 @njit(fastmath=True, inline="always")
