@@ -60,10 +60,12 @@ _PF_X16 = 8192  # the same for the X16 layouts, 2 or more tokens (4096 streamed 
 # Q4_KX16: 4096 ahead for 2 or more tokens (one 11008 x 4096 matrix streamed at 2 threads: 2 tokens
 # 16 -> 34 GB/s), none for one (26 with, 28-30 without, as the GGUF rows' 29-30)
 _PF_K4X16 = 4096
-# K-type GGUF rows (_k_pass): none on AMD Zen, whose own prefetcher keeps up with a row's stream
-# there, while software prefetch on top held Q6_K back (11008 x 4096, 2 threads, the host's fast
-# minutes: 47.5 GB/s without, 39.5 with, plain read 53; the same ~32 in its slow minutes); on
-# Sapphire Rapids the hardware prefetcher stops at each 4 KiB page (12-16 GB/s without, 24-26 with).
+# K-type GGUF rows (_k_pass), one token: none on AMD Zen, whose own prefetcher keeps up with a
+# row's stream there, while software prefetch on top held Q6_K back (11008 x 4096, 2 threads, the
+# host's fast minutes: 47.5 GB/s without, 39.5 with, plain read 53; the same ~32 in its slow
+# minutes); on Sapphire Rapids the hardware prefetcher stops at each 4 KiB page (12-16 GB/s
+# without, 24-26 with). 2 or more tokens: _PF everywhere (Zen, 4096 x 11008 Q6_K streamed, 2 / 4
+# / 8 tokens: 2.24 / 2.56 / 4.17 ms without, 1.27 / 1.60 / 3.08 with).
 _PF_K = 0 if ZEN else _PF
 _CHUNK = 16  # decode: rows per parallel work item (the type is dispatched once per item)
 _ROWS = 6  # prefill register tile: _ROWS rows x _TOK tokens = 12 accumulators of 16 lanes
@@ -428,17 +430,18 @@ def _k_pass(w, ro, xq, k, xd, bsum, xoff, t, nt, nb, scales, pair, nbytes, off, 
     o, i) -> 64 weights, or `nib` (Q4_K, Q5_K) the halves of _quad_q4_k with sc one lane per 32,
     or `wide` (IQ4_XS) its halves. Offsets and mins per super-block, 8 lanes of 2 sub-blocks; with
     mins (dmin at byte dm_at after d) sums and mins share one FMA. The weight stream is prefetched
-    _PF_K bytes ahead (where the hardware prefetcher stops at each page)."""
+    _PF bytes ahead for 2 or more tokens, _PF_K for one."""
     z8, z16 = splat(f32(0), 8), splat(f32(0), 16)
     a0, a1, a2, a3 = z8, z8, z8, z8
     m0, m1, m2, m3 = z16, z16, z16, z16
     f0, f1, f2, f3 = z16, z16, z16, z16
     xo, bo = t * k, t * nb
+    pf = _PF if nt > 1 else _PF_K
     for b in range(nb):
         o = ro + b * nbytes
-        if _PF_K:
+        if pf:
             for p in range(0, nbytes, 64):
-                prefetch(w, o + _PF_K + p)
+                prefetch(w, o + pf + p)
         d, dmin, sc, mn = scales(w, o)
         xb = xo + 256 * b
         if wide:
