@@ -89,7 +89,7 @@ class Sequence:
         self.cache = cache if cache is not None else llm.new_cache()
         self.tokens: list[int] = []
         self.observe = None  # while feeding a long input: its last ids (an eviction policy's probe)
-        self._serial = getattr(llm.backend, "serial", _NO_DEFER)  # the backend's: forward passes may take turns
+        self._serial = getattr(llm.backend, "serial", NO_DEFER)  # the backend's: forward passes may take turns
 
     def fork(self) -> "Sequence":
         """A sequence holding the same tokens in a cache of its own (KVCache.fork: a copy), to go on
@@ -161,7 +161,7 @@ def run(seqs: list[Sequence], parts: list[Seq[int]]) -> list[np.ndarray]:
     llm = seqs[0].llm
     # A batch that overwrites ring slots cannot be rolled back: Ctrl-C waits until it is done.
     wraps = any(lk.n_written + len(p) > lk.capacity for s, p in zip(seqs, parts) for lk in s.cache.layers)
-    with _DeferSigint() if wraps else _NO_DEFER, seqs[0]._serial:
+    with DeferSigint() if wraps else NO_DEFER, seqs[0]._serial:
         try:
             if len(seqs) == 1:
                 logits = [llm.forward(parts[0], seqs[0].cache, len(seqs[0].tokens), observe=seqs[0].observe)[-1]]
@@ -286,7 +286,7 @@ class Batcher:
             self._cv.release()
             try:
                 # Ctrl-C in the leading (main) thread waits until the other threads have their logits
-                with _DeferSigint() if others else _NO_DEFER:
+                with DeferSigint() if others else NO_DEFER:
                     try:
                         outs = run(list(batch), list(batch.values()))
                     except Exception as e:  # every sequence of the pass was rolled back: each thread raises it
@@ -311,9 +311,11 @@ class Batcher:
             self._cv.notify_all()
 
 
-class _DeferSigint:
+class DeferSigint:
     """Holds back Ctrl-C (SIGINT under Python's default handler, main thread only) for the
-    duration of a block and raises KeyboardInterrupt when it ends."""
+    duration of a block and raises KeyboardInterrupt when it ends: around work that must not stop
+    half done (a decode step's caches in LLM.forward and forward_batch, a pass that overwrites
+    ring slots, a pass other threads wait on). NO_DEFER: the same `with` holding nothing."""
 
     def __enter__(self):
         self.prev = None
@@ -333,7 +335,7 @@ class _DeferSigint:
                 raise KeyboardInterrupt
 
 
-_NO_DEFER = contextlib.nullcontext()
+NO_DEFER = contextlib.nullcontext()
 
 
 class StopMatcher:

@@ -16,7 +16,7 @@ import numpy as np
 from .backends import get_backend
 from .errors import ContextError, EdgekvError
 from .evict import OBSERVE, check_policy
-from .generate import _NO_DEFER, UBATCH, Batcher, Event, _DeferSigint
+from .generate import NO_DEFER, UBATCH, Batcher, DeferSigint, Event
 from .gguf_file import GGUFFile
 from .kvcache import KV_KINDS, BatchCache, KVCache, ProbeCache, cache_bytes, capacities
 
@@ -128,7 +128,7 @@ class LLM:
             # a decode step holds Ctrl-C until its token is done (a few ms): its fused blocks pass
             # numba a typed list of caches, typed by Python code inside numba's dispatch, where a
             # KeyboardInterrupt surfaces as "TypeError: can't unbox a List"
-            with step(len(chunk)) if step else _NO_STEP, _DeferSigint() if len(chunk) == 1 else _NO_DEFER:
+            with step(len(chunk)) if step else _NO_STEP, DeferSigint() if len(chunk) == 1 else NO_DEFER:
                 logits = self.model.forward(chunk, pos, cache, last_only=last_only)
             if not last_only or s + ub >= len(ids):
                 outs.append(logits)
@@ -170,7 +170,7 @@ class LLM:
             for j in group:
                 self._protect(batch[j][1], batch[j][0], batch[j][2])
             cache = BatchCache([batch[j][1] for j in group], [1] * len(group), pos)
-            with step(len(group)) if step else _NO_STEP, _DeferSigint():  # a decode step (forward)
+            with step(len(group)) if step else _NO_STEP, DeferSigint():  # a decode step (forward)
                 logits = self.model.forward(ids, pos, cache, last_only=False)  # (len(group), n_vocab)
             for r, j in enumerate(group):
                 out[j] = logits[r]

@@ -652,11 +652,11 @@ def _k4_token(lo, hi, sl, sh, xq, xo, a):
 
 @njit(fastmath=True, inline="always")
 def _k4_chunk(w, q, xq, xo, k, nt, sl, sh, a0, a1, a2, a3):
-    """Chunk q of a Q4_KX16 unit (its 8 lines) for the tile's nt tokens (activations at xo, + k ..)."""
-    if nt > 1:  # prefetches spread over the unit's chunks, not all at its start (see _PF_K4X16)
-        for p in range(0, 512, 64):
-            prefetch(w, q + _PF_K4X16 + p)
+    """Chunk q of a Q4_KX16 unit (its 8 lines) for the tile's nt tokens, 1 or 4 (activations at xo,
+    + k ..)."""
     if nt > 1:  # 4 tokens, unpacked line by line (the chunk's 16 unpacked vectors held at once spill)
+        for p in range(0, 512, 64):  # prefetches spread over the unit's chunks (see _PF_K4X16)
+            prefetch(w, q + _PF_K4X16 + p)
         z = splat(i32(0), 16)
         i0, j0, i1, j1, i2, j2, i3, j3 = z, z, z, z, z, z, z, z
         for s in range(8):
@@ -745,8 +745,8 @@ def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
 @njit(fastmath=True)
 def _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
     """Q4_KX16 rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, 4 at a time, then one by
-    one (from L2, 256 rows x 4096, one core: ~115 cycles a unit and token in fours, ~132 alone;
-    a tile of 2 took ~185 whichever way its lines were ordered)."""
+    one (from L2, 256 rows x 4096, one core: 92-115 cycles a unit and token in fours, 131 alone;
+    a tile of 2 took 137-209 whichever way its lines were ordered)."""
     nsb = k // 256
     for g in range(r0, r1, 16):
         t = 0
