@@ -729,15 +729,13 @@ def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
         dmin = h2f(view(ld(w, u + _K4D + 32, 32), np.uint16))
         bo = t * k16 + 16 * b
         f0 = _k4_finish(a0, m03, m47, d, dmin, at(xd, t * nsb + b), bsum, bo, f0)
-        if nt > 1:
+        if nt > 1:  # 4 tokens
             f1 = _k4_finish(a1, m03, m47, d, dmin, at(xd, (t + 1) * nsb + b), bsum, bo + k16, f1)
-        if nt > 2:
             f2 = _k4_finish(a2, m03, m47, d, dmin, at(xd, (t + 2) * nsb + b), bsum, bo + 2 * k16, f2)
             f3 = _k4_finish(a3, m03, m47, d, dmin, at(xd, (t + 3) * nsb + b), bsum, bo + 3 * k16, f3)
     _x16_store(out, t, c, f0)
     if nt > 1:
         _x16_store(out, t + 1, c, f1)
-    if nt > 2:
         _x16_store(out, t + 2, c, f2)
         _x16_store(out, t + 3, c, f3)
 
