@@ -45,9 +45,10 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, _K4D, _K4Q, _K4U, k4x16_block, k4x16_scales, repack_x16,
                       repack_x16_k4, x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
-from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, fma, fma_kept, hmax, hsum, lane, ld,
-                   ld_f16, madd, madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd,
-                   vmax, vmul, vmul_kept, vrint, vsub, h2f, vand, view, vshr, vxor, word, ZEN)
+from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_small, dot8acc_small, fma,
+                   fma_kept, hmax, hsum, lane, ld, ld_f16, madd, madd_acc, maddubs, mul_kept, opaque, prefetch,
+                   shuffler, shuffler2, splat, st, vabs, vadd, vmax, vmul, vmul_kept, vrint, vsub, h2f, vand, view,
+                   vshr, vxor, word, ZEN)
 
 SUPPORTED = qt.CPU_TYPES
 _FLOAT_TYPES = qt.FLOAT_TYPES
@@ -170,9 +171,9 @@ def _acts_quad(xq, off, k, t, xoff):
         lo, hi = _ACT_LO(a, b), _ACT_HI(a, b)
         st(xq, o, lo)
         st(xq, o + 64, hi)
-        st(xoff, (xo >> 2) + 16 * g, vmul(dot4acc(dot4(ones, lo), ones, hi), -off))
+        st(xoff, (xo >> 2) + 16 * g, vmul(dot8acc_small(splat(np.int32(0), 16), ones, lo, ones, hi), -off))
     for i in range((xo >> 2) + 32 * (k // 128), (xo >> 2) + k // 4, 8):
-        st(xoff, i, vmul(dot4(splat(np.uint8(1), 32), ld(xq, 4 * i, 32)), -off))
+        st(xoff, i, vmul(dot4acc_small(splat(np.int32(0), 8), splat(np.uint8(1), 32), ld(xq, 4 * i, 32)), -off))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def _dot_float(w, ro, x, xo, k, load):
 
 
 @njit(fastmath=True, inline="always")
-def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min):
+def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min, small):
     # Groups of 4 blocks (quad): two 512-bit products started from xoff's -off * (sums of 4 xq),
     # so that they yield sum((q - off) * xq) in 4 lanes per block, times d and the activations'
     # xd spread to the block's lanes (a copy per lane in memory read slower at large k: 33 KB
@@ -210,19 +211,19 @@ def _dot_32(w, ro, xq, xo, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min)
     ng = nb // 4
     for g in range(ng):
         lo, hi, d, m = _fetch_32(w, ro + 4 * nbytes * g, quad, nbytes)
-        acc0, am0 = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc0, am0, has_min)
+        acc0, am0 = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc0, am0, has_min, small)
         acc0, acc1 = acc1, acc0  # the next group adds to the other one
         am0, am1 = am1, am0
     mins = f32(0)
     tail = splat(f32(0), 8)
     for b in range(ng * 4, nb):  # the last nb % 4 blocks, in natural order
         q, off, d, m = block(w, ro + nbytes * b)
-        tail, mins = _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins)
+        tail, mins = _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins, small)
     return _total_32(acc0, acc1, am0, am1, tail, mins)
 
 
 @njit(fastmath=True, inline="always")
-def _dot_32x2(w, ro, xq, xo, yo, xd, xsum, xoff, bo, co, nb, block, quad, nbytes, has_min):
+def _dot_32x2(w, ro, xq, xo, yo, xd, xsum, xoff, bo, co, nb, block, quad, nbytes, has_min, small):
     """_dot_32 for two tokens (activations at xo, bo and at yo, co) from one unpacking of each
     weight group: each token's sums are _dot_32's, in its order, so each result has its bits."""
     acc0, acc1, am0, am1 = _zeros_32()
@@ -230,8 +231,8 @@ def _dot_32x2(w, ro, xq, xo, yo, xd, xsum, xoff, bo, co, nb, block, quad, nbytes
     ng = nb // 4
     for g in range(ng):
         lo, hi, d, m = _fetch_32(w, ro + 4 * nbytes * g, quad, nbytes)
-        acc0, am0 = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc0, am0, has_min)
-        bcc0, bm0 = _group_32(lo, hi, d, m, xq, yo, xd, xsum, xoff, co, g, bcc0, bm0, has_min)
+        acc0, am0 = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc0, am0, has_min, small)
+        bcc0, bm0 = _group_32(lo, hi, d, m, xq, yo, xd, xsum, xoff, co, g, bcc0, bm0, has_min, small)
         acc0, acc1, am0, am1 = acc1, acc0, am1, am0
         bcc0, bcc1, bm0, bm1 = bcc1, bcc0, bm1, bm0
     mins, nins = f32(0), f32(0)
@@ -239,13 +240,13 @@ def _dot_32x2(w, ro, xq, xo, yo, xd, xsum, xoff, bo, co, nb, block, quad, nbytes
     bail = splat(f32(0), 8)
     for b in range(ng * 4, nb):
         q, off, d, m = block(w, ro + nbytes * b)
-        tail, mins = _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins)
-        bail, nins = _block_32(q, d, m, xq, yo, xd, xsum, xoff, co, b, bail, nins)
+        tail, mins = _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins, small)
+        bail, nins = _block_32(q, d, m, xq, yo, xd, xsum, xoff, co, b, bail, nins, small)
     return _total_32(acc0, acc1, am0, am1, tail, mins), _total_32(bcc0, bcc1, bm0, bm1, bail, nins)
 
 
 @njit(fastmath=True, inline="always")
-def _pass_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, quad, nbytes, par, scr, so):
+def _pass_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, quad, nbytes, par, scr, so, small):
     """One of _dot_32's two group accumulators (groups par, par + 2, ...) of the rows at ro and
     ro + rb for the tokens at xo, xo + k, ... (blocks at bo, bo + nb, ...), stored to scr at so
     (row-major 2 x 4, 16 lanes each): each group unpacked once for the 4 tokens, each token's
@@ -260,14 +261,14 @@ def _pass_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, quad, nbytes, par, s
                 prefetch(w, o + rb + _PF + p)
         lo, hi, d, m = quad(w, o)
         lp, hp, dp, mp = quad(w, o + rb)
-        a0, _ = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, a0, a0, False)
-        b0, _ = _group_32(lp, hp, dp, mp, xq, xo, xd, xsum, xoff, bo, g, b0, b0, False)
-        a1, _ = _group_32(lo, hi, d, m, xq, xo + k, xd, xsum, xoff, bo + nb, g, a1, a1, False)
-        b1, _ = _group_32(lp, hp, dp, mp, xq, xo + k, xd, xsum, xoff, bo + nb, g, b1, b1, False)
-        a2, _ = _group_32(lo, hi, d, m, xq, xo + 2 * k, xd, xsum, xoff, bo + 2 * nb, g, a2, a2, False)
-        b2, _ = _group_32(lp, hp, dp, mp, xq, xo + 2 * k, xd, xsum, xoff, bo + 2 * nb, g, b2, b2, False)
-        a3, _ = _group_32(lo, hi, d, m, xq, xo + 3 * k, xd, xsum, xoff, bo + 3 * nb, g, a3, a3, False)
-        b3, _ = _group_32(lp, hp, dp, mp, xq, xo + 3 * k, xd, xsum, xoff, bo + 3 * nb, g, b3, b3, False)
+        a0, _ = _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, a0, a0, False, small)
+        b0, _ = _group_32(lp, hp, dp, mp, xq, xo, xd, xsum, xoff, bo, g, b0, b0, False, small)
+        a1, _ = _group_32(lo, hi, d, m, xq, xo + k, xd, xsum, xoff, bo + nb, g, a1, a1, False, small)
+        b1, _ = _group_32(lp, hp, dp, mp, xq, xo + k, xd, xsum, xoff, bo + nb, g, b1, b1, False, small)
+        a2, _ = _group_32(lo, hi, d, m, xq, xo + 2 * k, xd, xsum, xoff, bo + 2 * nb, g, a2, a2, False, small)
+        b2, _ = _group_32(lp, hp, dp, mp, xq, xo + 2 * k, xd, xsum, xoff, bo + 2 * nb, g, b2, b2, False, small)
+        a3, _ = _group_32(lo, hi, d, m, xq, xo + 3 * k, xd, xsum, xoff, bo + 3 * nb, g, a3, a3, False, small)
+        b3, _ = _group_32(lp, hp, dp, mp, xq, xo + 3 * k, xd, xsum, xoff, bo + 3 * nb, g, b3, b3, False, small)
     _store8(scr, so, a0, a1, a2, a3, b0, b1, b2, b3)
 
 
@@ -300,13 +301,13 @@ def _store8(scr, so, a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @njit(fastmath=True, inline="always")
-def _tile_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min, out, t, c, scr):
+def _tile_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, block, quad, nbytes, has_min, small, out, t, c, scr):
     """out[t : t + 4, c : c + 2] for the rows at ro, ro + rb and tokens t .. t + 3 (at xo, bo),
     each _dot_32's result with its bits: one pass per accumulator of _dot_32 (even groups, odd
     groups; then the mins' two) keeps 8 accumulators live, not 32 (in 32 registers), their sums
     parked in scr (4 x 8 x 16 float32)."""
     for par in range(2):
-        _pass_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, quad, nbytes, par, scr, 128 * par)
+        _pass_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, quad, nbytes, par, scr, 128 * par, small)
     z = splat(f32(0), 16)
     for par in range(2):
         if has_min:
@@ -320,7 +321,7 @@ def _tile_2x4(w, ro, rb, xq, xo, k, xd, xsum, xoff, bo, nb, block, quad, nbytes,
         tail = splat(f32(0), 8)
         for b in range(nb // 4 * 4, nb):
             q, off, d, m = block(w, r + nbytes * b)
-            tail, mins = _block_32(q, d, m, xq, y, xd, xsum, xoff, yb, b, tail, mins)
+            tail, mins = _block_32(q, d, m, xq, y, xd, xsum, xoff, yb, b, tail, mins, small)
         out[t + j, c + i // 4] = _total_32(ld(scr, 16 * i, 16), ld(scr, 128 + 16 * i, 16), ld(scr, 256 + 16 * i, 16),
                                            ld(scr, 384 + 16 * i, 16), tail, mins)
 
@@ -342,10 +343,13 @@ def _fetch_32(w, o, quad, nbytes):
 
 
 @njit(fastmath=True, inline="always")
-def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min):
+def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min, small):
     """One token's share of group g (its 4 blocks unpacked: lo, hi, d, m) added to acc, am."""
     xg = xo + 128 * g
-    i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
+    if small:  # Q4 / Q5 quants (< 32): without VNNI, 3 products where the exact form takes 4 + widening
+        i = dot8acc_small(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64), hi, ld(xq, xg + 64, 64))
+    else:
+        i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
     acc = fma(cvt(i, np.float32), vmul_kept(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc)
     if has_min:
         am = _min_32(m, xsum, bo, g, am)
@@ -358,9 +362,13 @@ def _min_32(m, xsum, bo, g, am):
 
 
 @njit(fastmath=True, inline="always")
-def _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins):
+def _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins, small):
     """One token's share of a last block b (past the whole groups) added to tail, mins."""
-    p = cvt(dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32)), np.float32)
+    if small:
+        i = dot4acc_small(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32))
+    else:
+        i = dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32))
+    p = cvt(i, np.float32)
     return fma(p, splat(mul_kept(d, at(xd, bo + b)), 8), tail), add_kept(mins, mul_kept(m, at(xsum, bo + b)))
 
 
@@ -487,7 +495,7 @@ def _k_pass(w, ro, xq, k, xd, bsum, xoff, t, nt, nb, scales, pair, nbytes, off, 
 
 
 @njit(fastmath=True, inline="always")
-def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nbytes, has_min):
+def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nbytes, has_min, small):
     nb = k // 32
     n4 = n // 4 * 4  # tokens in tiles of 4 on pairs of rows (_tile_2x4), the rest in pairs and alone
     r2 = r0
@@ -496,16 +504,17 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nby
         scr = np.empty(512, np.float32)  # _tile_2x4's sums
         for r in range(r0, r2, 2):
             for t in range(0, n4, 4):
-                _tile_2x4(w, r * rb, rb, xq, t * k, k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min, out,
-                          t, col + r, scr)
+                _tile_2x4(w, r * rb, rb, xq, t * k, k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min, small,
+                          out, t, col + r, scr)
     for r in range(r0, r1):
         t = n4 if r < r2 else 0
         while t + 2 <= n:  # tokens in pairs: each weight group unpacked once for both
             out[t, col + r], out[t + 1, col + r] = _dot_32x2(w, r * rb, xq, t * k, t * k + k, xd, xsum, xoff, t * nb,
-                                                             t * nb + nb, nb, block, quad, nbytes, has_min)
+                                                             t * nb + nb, nb, block, quad, nbytes, has_min, small)
             t += 2
         if t < n:
-            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min)
+            out[t, col + r] = _dot_32(w, r * rb, xq, t * k, xd, xsum, xoff, t * nb, nb, block, quad, nbytes, has_min,
+                                      small)
 
 
 @njit(fastmath=True)
@@ -790,18 +799,20 @@ def _dot_rows_x16(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, 
 
 @njit(fastmath=True)
 def _dot_rows_32(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
+    # (..., has_min, small: quants < 32, which pmaddubsw takes without VNNI; see _group_32)
     if qtype == Q4_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, _NB_Q4_0, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, _NB_Q4_0, False, True)
     elif qtype == Q4_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, _NB_Q4_1, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, _NB_Q4_1, True, True)
     elif qtype == Q5_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, _NB_Q5_0, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, _NB_Q5_0, False, True)
     elif qtype == Q5_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, _NB_Q5_1, True)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, _NB_Q5_1, True, True)
     elif qtype == Q8_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, _NB_Q8_0, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, _NB_Q8_0, False, False)
     else:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, _NB_IQ4_NL, False)
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, _NB_IQ4_NL, False,
+                 False)
 
 
 @njit(fastmath=True)

@@ -686,6 +686,42 @@ def dot4acc(typingctx, acc, a, b):
     return acc(acc, a, b), codegen
 
 
+def _dot4_small_ir(builder, acc, pairs, n):
+    """acc + the dot4 of each (a, b) in pairs, for a whose products cannot overflow int16 when
+    pmaddubsw's pair sums of all the pairs are added (unsigned lanes < 64 for two pairs: Q4 / Q5
+    quants). Without vpdpbusd: the pmaddubsw results summed, one pmaddwd by ones (2 + 1 products
+    for two pairs, where the exact form widens each operand first); with it, vpdpbusd each."""
+    if n in _VPDPBUSD or (n > 32 and 32 in _VPDPBUSD) or not (n in _PMADDUBSW or (n > 32 and 32 in _PMADDUBSW)):
+        for a, b in pairs:
+            acc = _dot4_ir(builder, a, b, n, acc)
+        return acc
+    s = _maddubs_ir(builder, *pairs[0], n)
+    for a, b in pairs[1:]:
+        s = builder.add(s, _maddubs_ir(builder, a, b, n))
+    return builder.add(acc, _madd_ir(builder, s, ir.Constant(s.type, [1] * (n // 2)), n // 2))
+
+
+@intrinsic
+def dot4acc_small(typingctx, acc, a, b):
+    """dot4acc for a's lanes < 128 (pmaddubsw cannot saturate): pmaddubsw + pmaddwd where there
+    is no vpdpbusd."""
+
+    def codegen(context, builder, sig, args):
+        return _dot4_small_ir(builder, args[0], [(args[1], args[2])], a.n)
+
+    return acc(acc, a, b), codegen
+
+
+@intrinsic
+def dot8acc_small(typingctx, acc, a0, b0, a1, b1):
+    """acc + dot4(a0, b0) + dot4(a1, b1) for lanes of a0, a1 < 64 (see _dot4_small_ir)."""
+
+    def codegen(context, builder, sig, args):
+        return _dot4_small_ir(builder, args[0], [(args[1], args[2]), (args[3], args[4])], a0.n)
+
+    return acc(acc, a0, b0, a1, b1), codegen
+
+
 @intrinsic
 def madd_acc(typingctx, acc, a, b):
     """acc + madd(a, b) (the accumulating form of pmaddwd, vpdpwssd)."""

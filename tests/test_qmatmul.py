@@ -400,6 +400,15 @@ def test_vector_primitives(monkeypatch, isa):
         simd.st(o_dot64, 0, simd.dot4(simd.ld(u8, 0, 64), simd.ld(i8, 0, 64)))
 
     @numba.njit
+    def small_products(u8, u7, i8, acc, o_s32, o_s64, o_p32, o_p64):  # quants < 128 / < 64 (pmaddubsw)
+        simd.st(o_s32, 0, simd.dot4acc_small(simd.ld(acc, 0, 8), simd.ld(u7, 0, 32), simd.ld(i8, 0, 32)))
+        simd.st(o_s64, 0, simd.dot4acc_small(simd.ld(acc, 0, 16), simd.ld(u7, 0, 64), simd.ld(i8, 0, 64)))
+        simd.st(o_p32, 0, simd.dot8acc_small(simd.ld(acc, 0, 8), simd.ld(u8, 0, 32), simd.ld(i8, 0, 32),
+                                             simd.ld(u8, 32, 32), simd.ld(i8, 32, 32)))
+        simd.st(o_p64, 0, simd.dot8acc_small(simd.ld(acc, 0, 16), simd.ld(u8, 0, 64), simd.ld(i8, 0, 64),
+                                             simd.ld(u8, 64, 64), simd.ld(i8, 64, 64)))
+
+    @numba.njit
     def lookups(idx, o16, o32, o64):  # the i-quants' table (pshufb)
         simd.st(o16, 0, layouts._IQ4(simd.ld(idx, 0, 16)))
         simd.st(o32, 0, layouts._IQ4(simd.ld(idx, 0, 32)))
@@ -431,6 +440,20 @@ def test_vector_primitives(monkeypatch, isa):
         np.testing.assert_array_equal(outs[3], prod.reshape(-1, 2).sum(1))
         np.testing.assert_array_equal(outs[4], prod[:32].reshape(-1, 4).sum(1))
         np.testing.assert_array_equal(outs[5], prod.reshape(-1, 4).sum(1))
+        u8, i8 = rng.integers(0, 64, 128, dtype=np.uint8), rng.integers(-128, 128, 128, dtype=np.int8)
+        u8[:4], u8[64:68], i8[:4], i8[64:68] = 63, 63, -128, -128  # 4 x 63 x -128: the int16 sums' limit
+        u7 = rng.integers(0, 128, 64, dtype=np.uint8)
+        u7[:2], u7[2:4] = 127, 127
+        acc = rng.integers(-(2**20), 2**20, 16).astype(np.int32)
+        outs = [np.zeros(n, np.int32) for n in (8, 16, 8, 16)]
+        small_products(u8, u7, i8, acc, *outs)
+        p7 = (u7.astype(np.int64) * i8[:64]).reshape(-1, 4).sum(1)
+        p8 = (u8.astype(np.int64) * i8).reshape(2, -1, 4).sum(2)  # the two pairs' sums of 4
+        np.testing.assert_array_equal(outs[0], acc[:8] + p7[:8])
+        np.testing.assert_array_equal(outs[1], acc + p7)
+        w8 = u8.astype(np.int64)
+        np.testing.assert_array_equal(outs[2], acc[:8] + (w8[:32] * i8[:32] + w8[32:64] * i8[32:64]).reshape(-1, 4).sum(1))
+        np.testing.assert_array_equal(outs[3], acc + p8[0] + p8[1])
     from edgekv.quants import KVALUES_IQ4NL
 
     table = np.array(KVALUES_IQ4NL) + 128
