@@ -42,14 +42,15 @@ GROUPS = (
 )
 # The disk-cached kernels the groups compile (module, function): one missing means a cold
 # start. tests/test_warmup.py keeps the list equal to what the groups really compile.
-def _prefill_kernel() -> tuple[str, str]:
-    """The prefill GEMM this machine runs: the int8 one (VNNI), else the float one."""
-    from .kernels_cpu.qmatmul import INT8_PREFILL
+def _prefill_kernels() -> tuple[tuple[str, str], ...]:
+    """The prefill GEMMs this machine runs for quantized types: the int8 one (VNNI: every type;
+    AVX2: Q4 / Q5 / K types), the float one (Q8_0 and IQ4 on AVX2; everything without int8)."""
+    from .kernels_cpu.qmatmul import Q4_0, Q8_0, int8_prefill
 
-    return ("igemm", "_igemm") if INT8_PREFILL else ("qmatmul", "_qgemm")
+    return (("igemm", "_igemm"),) * int8_prefill(Q4_0) + (("qmatmul", "_qgemm"),) * (not int8_prefill(Q8_0))
 
 
-KERNELS = (("qmatmul", "_qmatvec"), _prefill_kernel(), ("qmatmul", "_dequant_rows"),
+KERNELS = (("qmatmul", "_qmatvec"), *_prefill_kernels(), ("qmatmul", "_dequant_rows"),
            ("ops", "_rmsnorm_serial"), ("ops", "_rmsnorm_parallel"), ("ops", "_rope_serial"), ("ops", "_rope_parallel"),
            ("ops", "_silu_mul_serial"), ("ops", "_silu_mul_parallel"), ("ops", "_gelu_mul_serial"),
            ("ops", "_gelu_mul_parallel"), ("kvquant", "_store_core"), ("kvquant", "_kv_space_core"),
@@ -66,18 +67,18 @@ def _rand(rng, *shape) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def _weight(rows: int | tuple, k: int, rng):
-    """A Q8_0 weight of k columns: fp16 scale 0.02, random quants; rows a tuple: same-type
-    matrices fused (as QKV) with those rows each."""
-    from .kernels_cpu.qmatmul import Q8_0, QWeight
+def _weight(rows: int | tuple, k: int, rng, q4: bool = False):
+    """A Q8_0 weight (q4: Q4_0) of k columns: fp16 scale 0.02, random quants; rows a tuple:
+    same-type matrices fused (as QKV) with those rows each."""
+    from .kernels_cpu.qmatmul import Q4_0, Q8_0, QWeight
 
     raws = []
     for m in rows if isinstance(rows, tuple) else (rows,):
-        b = np.empty((m, k // 32, 34), np.uint8)
+        b = np.empty((m, k // 32, 18 if q4 else 34), np.uint8)
         b[:, :, :2] = np.frombuffer(np.float16(0.02).tobytes(), np.uint8)
-        b[:, :, 2:] = rng.integers(0, 256, (m, k // 32, 32), dtype=np.uint8)
+        b[:, :, 2:] = rng.integers(0, 256, b[:, :, 2:].shape, dtype=np.uint8)
         raws.append(b.reshape(m, -1))
-    return QWeight(raws[0] if len(raws) == 1 else tuple(raws), Q8_0)
+    return QWeight(raws[0] if len(raws) == 1 else tuple(raws), Q4_0 if q4 else Q8_0)
 
 
 def _layer(kind: str = "int8", capacity: int = 16, evict: str = "window"):
@@ -132,6 +133,7 @@ def _prefill(be, rng) -> None:
     down = _weight(_D, _FF, rng)
     for act in ("silu", "gelu"):
         x = be.matmul(_rand(rng, n, 2 * _FF), down, pre=act, residual=x)
+    be.matmul(x, _weight(_D, _D, rng, q4=True))  # AVX2: Q8_0 above on float FMAs, Q4_0 on int8
     for big in (False, True):
         rows = max(ops.RMSNORM_PAR_MIN, ops.ELEMENTWISE_PAR_MIN, ops.ROPE_PAR_MIN) // _HD if big else 2
         a, b = _rand(rng, rows, _HD), _rand(rng, rows, _HD)

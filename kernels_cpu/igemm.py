@@ -15,6 +15,14 @@ each int32 lane sums a whole sub-block of its row without any horizontal sum. Pe
 min term of the types that have one). A register tile of _R = 32 rows x _T = 6 tokens holds 12
 int32 and 12 float32 accumulators; per 4 values of k it loads two weight vectors and broadcasts
 6 activations, for 12 products of 64 multiply-adds. The integer peak is ~4x the float FMA peak.
+
+Without VNNI (AVX2: 16 registers of 256 bits, no vpdpbusd) the types whose quants are < 64
+(SMALL_TYPES) take a narrow tile of 8 rows x 8 tokens instead (_tile8): per two groups of 4 k a
+token's two pmaddubsw are added in int16 (4 products of |q| < 64 and |xq| <= 127 stay < 2**15)
+and one pmaddwd by ones makes the int32 sums of 4; 8 int32 accumulators, their float sums kept
+in the tile's result rows (L1) and added to once per sub-block. ~40 integer multiply-adds a
+cycle on Zen 3, where its float FMAs peak at 16. Q8_0 and the IQ4 types (quants up to 255) stay
+on the float prefill there (qmatmul.int8_prefill).
 """
 from __future__ import annotations
 
@@ -24,11 +32,17 @@ from numba import njit, prange
 from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
 from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, _K4D, _K4Q, _K4U, _each_block,
                       k4x16_field, x16_geometry, _tile_at, _tiles)
-from .simd import at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, shuffler, splat, st, vand, view, vmul, vshr, vxor
+from .simd import (_VPDPBUSD, at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, madd, maddubs, shuffler, splat, st,
+                   vadd, vand, view, vmul, vshr, vxor)
 
 _R = 32  # rows per tile: two vectors of 16 int32 lanes
 _T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast: 27 of 32 zmm)
+_T8 = 8  # the narrow tile's tokens (8 accumulators, 2 weights, broadcasts, ones: 16 ymm)
 f32, i32 = np.float32, np.int32
+# Types whose quants are < 64 (pmaddubsw's int16 sums over two groups cannot overflow)
+SMALL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+# The narrow tile where there is no vpdpbusd (an emulated vpdpbusd of 512 bits takes ~3x longer)
+NARROW = not _VPDPBUSD
 
 
 @njit(inline="always")
@@ -56,6 +70,11 @@ def _type_info(qtype):
     if qtype == Q6_K:
         return _OFF_Q6_K, False, 16
     return _OFF_IQ4_XS, False, 32  # IQ4_XS
+
+
+def narrow(qtype: int) -> bool:
+    """Whether _igemm takes the narrow tile for this type on this machine."""
+    return NARROW and qtype in SMALL_TYPES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,13 +323,60 @@ def _tile(u, s, mn, xq4, dx, xo, xs, k, sb, has_min, t0, res):
     st(res, 176, f51)
 
 
+@njit(inline="always")
+def _bx8(xq4, i):
+    """Token activations xq4[i] (4 int8 in a uint32) broadcast to 32 bytes."""
+    return view(splat(at(xq4, i), 8), np.int8)
+
+
+@njit(fastmath=True, inline="always")
+def _pair8(acc, w0, w1, xq4, i, ones):
+    """acc + one token's sums of 4 for 8 rows over groups i, i + 1 of its activations (weights w0,
+    w1): two pmaddubsw added in int16, one pmaddwd by ones."""
+    return vadd(acc, madd(vadd(maddubs(w0, _bx8(xq4, i)), maddubs(w1, _bx8(xq4, i + 1))), ones))
+
+
+@njit(fastmath=True, inline="always")
+def _flush8(acc, s, m, dx, xs, res, o, has_min):
+    f = fma(vmul(cvt(acc, f32), s), splat(dx, 8), ld(res, o, 8))
+    st(res, o, fma(m, splat(xs, 8), f) if has_min else f)
+
+
+@njit(fastmath=True)
+def _tile8(u, s, mn, xq4, dx, xo, xs, k, sb, has_min, t0, r, res):
+    """res[t * _R + r : ... + 8] += rows r .. r + 7 of the tile times token t0 + t (t < _T8), for
+    SMALL_TYPES without VNNI (the module's docstring)."""
+    k4, nb, nsb, gps = k // 4, k // 32, k // sb, sb // 4
+    ones = splat(np.int16(1), 16)
+    x0, x1, x2, x3 = t0 * k4, (t0 + 1) * k4, (t0 + 2) * k4, (t0 + 3) * k4
+    x4, x5, x6, x7 = (t0 + 4) * k4, (t0 + 5) * k4, (t0 + 6) * k4, (t0 + 7) * k4
+    for j in range(nsb):
+        a0, a1 = splat(at(xo, t0 * nsb + j), 8), splat(at(xo, (t0 + 1) * nsb + j), 8)
+        a2, a3 = splat(at(xo, (t0 + 2) * nsb + j), 8), splat(at(xo, (t0 + 3) * nsb + j), 8)
+        a4, a5 = splat(at(xo, (t0 + 4) * nsb + j), 8), splat(at(xo, (t0 + 5) * nsb + j), 8)
+        a6, a7 = splat(at(xo, (t0 + 6) * nsb + j), 8), splat(at(xo, (t0 + 7) * nsb + j), 8)
+        for g in range(j * gps, j * gps + gps, 2):
+            w0 = view(ld(u, g * _R + r, 8), np.uint8)
+            w1 = view(ld(u, g * _R + _R + r, 8), np.uint8)
+            a0, a1 = _pair8(a0, w0, w1, xq4, x0 + g, ones), _pair8(a1, w0, w1, xq4, x1 + g, ones)
+            a2, a3 = _pair8(a2, w0, w1, xq4, x2 + g, ones), _pair8(a3, w0, w1, xq4, x3 + g, ones)
+            a4, a5 = _pair8(a4, w0, w1, xq4, x4 + g, ones), _pair8(a5, w0, w1, xq4, x5 + g, ones)
+            a6, a7 = _pair8(a6, w0, w1, xq4, x6 + g, ones), _pair8(a7, w0, w1, xq4, x7 + g, ones)
+        sv, mv = ld(s, j * _R + r, 8), ld(mn, j * _R + r, 8)
+        bj = (j * sb) >> 5  # the activation block of sub-block j
+        for t, a in ((0, a0), (1, a1), (2, a2), (3, a3), (4, a4), (5, a5), (6, a6), (7, a7)):
+            _flush8(a, sv, mv, at(dx, (t0 + t) * nb + bj), at(xs, (t0 + t) * nsb + j), res, t * _R + r, has_min)
+
+
 @njit(cache=True, parallel=True, fastmath=True)
-def _igemm(x, ws, qtype, out, col0):
+def _igemm(x, ws, qtype, out, col0, narrow):
     """out[:, col0 : col0 + m] = x @ [ws[0]; ws[1]; ws[2]].T for a quantized type (as qmatmul's
-    _qgemm): activations quantized in parallel over tokens, then tiles of _R rows in parallel."""
+    _qgemm): activations quantized in parallel over tokens, then tiles of _R rows in parallel;
+    narrow: the register tiles of 8 x 8 (SMALL_TYPES only; see narrow())."""
     n, k = x.shape
     off, has_min, sb = _type_info(qtype)
-    npad = (n + _T - 1) // _T * _T  # padding tokens are zero: their results are dropped
+    tt = _T8 if narrow else _T
+    npad = (n + tt - 1) // tt * tt  # padding tokens are zero: their results are dropped
     nb, nsb = k // 32, k // sb
     xq = np.empty(npad * k, np.int8)
     dx = np.empty(npad * nb, np.float32)
@@ -338,9 +404,14 @@ def _igemm(x, ws, qtype, out, col0):
         mn = np.empty(nsb * _R, np.float32)
         tmp = np.empty(k // 4 * _R, np.uint32)
         _unpack(qtype, w.reshape(-1), rb, r0, nr, k, u, s, mn, tmp)
-        res = np.empty(_T * _R, np.float32)
-        for g in range(npad // _T):
-            _tile(u, s, mn, xq4, dx, xo, xs, k, sb, has_min, g * _T, res)
-            for j in range(min(_T, n - g * _T)):
+        res = np.empty(tt * _R, np.float32)
+        for g in range(npad // tt):
+            if narrow:
+                res[:] = 0
+                for r in range(0, nr, 8):
+                    _tile8(u, s, mn, xq4, dx, xo, xs, k, sb, has_min, g * tt, r, res)
+            else:
+                _tile(u, s, mn, xq4, dx, xo, xs, k, sb, has_min, g * tt, res)
+            for j in range(min(tt, n - g * tt)):
                 for rr in range(nr):
-                    out[g * _T + j, col + r0 + rr] = res[j * _R + rr]
+                    out[g * tt + j, col + r0 + rr] = res[j * _R + rr]

@@ -82,11 +82,17 @@ f32, i16, i32 = np.float32, np.int16, np.int32
 # steps stay inline: as plain functions (103 s) Q5_1's batched tokens lost their one-token bits.
 
 
-# Prefill on integer products where vpdpbusd exists; without it float FMAs are faster than the
-# integer products' emulation (pmaddubsw saturates on 8-bit quants). EDGEKV_PREFILL=float (or
-# float_prefill()) keeps float prefill: to measure a cache's own effect, since int8 activations
-# add a rounding of their own (KL ~0.003 against float activations, as llama.cpp's do).
-INT8_PREFILL = bool(_VPDPBUSD) and os.environ.get("EDGEKV_PREFILL", "") != "float"
+# Prefill on integer products where vpdpbusd exists; without it (AVX2) for the types whose quants
+# pmaddubsw takes (igemm.SMALL_TYPES), while Q8_0 and the IQ4 types keep float FMAs there (an
+# exact emulation of vpdpbusd is slower than them). EDGEKV_PREFILL=float (or float_prefill())
+# keeps float prefill: to measure a cache's own effect, since int8 activations add a rounding of
+# their own (KL ~0.003 against float activations, as llama.cpp's do).
+INT8_PREFILL = bool(_VPDPBUSD or 32 in _PMADDUBSW) and os.environ.get("EDGEKV_PREFILL", "") != "float"
+
+
+def int8_prefill(qtype: int) -> bool:
+    """Whether a prefill product of this type runs on int8 activations (the GEMM of igemm.py)."""
+    return INT8_PREFILL and qtype not in _FLOAT_TYPES and (bool(_VPDPBUSD) or qtype in igemm.SMALL_TYPES)
 # Up to this many tokens: integer dots on rows read once (decode). Measured crossovers: ~8 tokens
 # against the float prefill tiles, ~16-24 against the int8 GEMM (which unpacks every tile first).
 SMALL_N = 15 if _VPDPBUSD else 7
@@ -107,8 +113,9 @@ def kernel_paths() -> str:
     """The CPU kernels' code paths on this machine, in words (`edgekv info`, bench headers)."""
     dots = ("AVX-512 VNNI vpdpbusd" if 64 in _VPDPBUSD else "AVX-VNNI vpdpbusd" if _VPDPBUSD else
             "AVX2 pmaddubsw" if 32 in _PMADDUBSW else "generic integer vectors")
-    pre = (f"int8 GEMM ({dots})" if INT8_PREFILL else
-           "float32 FMA tiles (" + ("EDGEKV_PREFILL=float" if _VPDPBUSD else "no VNNI") + ")")
+    pre = ("float32 FMA tiles (" + ("EDGEKV_PREFILL=float" if _VPDPBUSD or _PMADDUBSW else "no int8 products") + ")"
+           if not INT8_PREFILL else f"int8 GEMM ({dots})" if _VPDPBUSD else
+           f"int8 GEMM ({dots}) for Q4/Q5/K types, float32 FMA tiles for Q8_0 and IQ4")
     return f"decode int8 dots ({dots}); prefill {pre}"
 
 
@@ -1301,10 +1308,10 @@ def run(qw: QWeight, x: np.ndarray, out: np.ndarray, col0: int, pre: int, pre_w:
             elif pre:
                 act = ops.silu_mul if pre == PRE_SILU else ops.gelu_mul
                 x = act(np.ascontiguousarray(x[:, : qw.k]), np.ascontiguousarray(x[:, qw.k :]))
-            if qw.qtype in _FLOAT_TYPES or not INT8_PREFILL:
-                _qgemm(x, qw.ws, qw.qtype, out, col0)
+            if int8_prefill(qw.qtype):
+                igemm._igemm(x, qw.ws, qw.qtype, out, col0, igemm.narrow(qw.qtype))
             else:
-                igemm._igemm(x, qw.ws, qw.qtype, out, col0)
+                _qgemm(x, qw.ws, qw.qtype, out, col0)
             if res.shape[0]:
                 y = np.ascontiguousarray(out[:, col0 : col0 + qw.m])
                 ops.add_(res, ops.rmsnorm(y, post_w, eps) if post_w.size else y)

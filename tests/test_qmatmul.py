@@ -13,7 +13,7 @@ from conftest import model_path
 from edgekv.errors import EdgekvError, UnsupportedModelError
 from edgekv.gguf_file import GGUFFile
 from edgekv.kernels_cpu import qmatmul as qm
-from edgekv.kernels_cpu import layouts, simd
+from edgekv.kernels_cpu import igemm, layouts, simd
 from edgekv.quants import BY_NAME, QUANT_TYPES
 
 ALL = [QUANT_TYPES[q].name for q in qm.SUPPORTED]
@@ -64,7 +64,7 @@ def reference(w: np.ndarray, name: str) -> np.ndarray:
 def int8_activations(x: np.ndarray, name: str) -> np.ndarray:
     """x as the kernels see it: int8 blocks (32; 256 for K types on the decode path) times a
     float32 scale amax/127, rounded half to even."""
-    if x.shape[0] > qm.SMALL_N and not qm.INT8_PREFILL:  # float prefill: x as it is
+    if x.shape[0] > qm.SMALL_N and not qm.int8_prefill(BY_NAME[name].id):  # float prefill: x as it is
         return x.astype(np.float64)
     bs = 256 if BY_NAME[name].block_elems == 256 and x.shape[0] <= qm.SMALL_N else 32
     xb = x.reshape(x.shape[0], -1, bs)
@@ -83,7 +83,7 @@ def check(w: np.ndarray, name: str, x: np.ndarray) -> None:
     got = qm.qmatmul(x, w, BY_NAME[name].id)
     assert got.shape == (x.shape[0], w.shape[0]) and got.dtype == np.float32
     exact = x.astype(np.float64) @ dense.T
-    if name in ("F32", "F16", "BF16") or (x.shape[0] > qm.SMALL_N and not qm.INT8_PREFILL):  # float activations
+    if name in ("F32", "F16", "BF16") or (x.shape[0] > qm.SMALL_N and not qm.int8_prefill(BY_NAME[name].id)):
         assert rel_err(got, exact) < 1e-5
     else:
         assert rel_err(got, exact) < 3e-2
@@ -119,22 +119,24 @@ def test_iq4_decode_and_prefill(name):
         check(w, name, rng.standard_normal((n, k), dtype=np.float32))
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if n not in ("F32", "F16", "BF16")])
-def test_int8_gemm(name):
-    """The integer prefill kernel itself (also where qmatmul does not pick it: no VNNI): every
-    type against gguf.quants' dequantization times the same int8 activations; fused parts of 37,
-    5 and 64 rows (partial tiles of 32), token counts that leave partial register tiles of 6."""
-    from edgekv.kernels_cpu import igemm
-
+@pytest.mark.parametrize("name,narrow", [(n, False) for n in ALL if n not in ("F32", "F16", "BF16")]
+                         + [(n, True) for n in ALL if BY_NAME[n].id in igemm.SMALL_TYPES])
+def test_int8_gemm(name, narrow):
+    """The integer prefill kernel itself (also where qmatmul does not pick it): both register tiles
+    on any machine (the 6 x 32 of VNNI, the 8 x 8 of AVX2 for the types whose quants are < 64),
+    every type against gguf.quants' dequantization times the same int8 activations; fused parts
+    of 37, 5 and 64 rows (partial tiles of 32 and of 8), token counts that leave partial register
+    tiles of 6 and of 8."""
+    qt = BY_NAME[name].id
     rng = np.random.default_rng(17)
     k = 2 * cols_for(name)
     parts = [random_raw(name, m, k, rng) for m in (37, 5, 64)]
     dense = np.concatenate([reference(p, name) for p in parts])
-    qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
+    qw = qm.QWeight(tuple(parts), qt)
     for n in (1, 2, 7, 13, 64, 513):
         x = rng.standard_normal((n, k), dtype=np.float32)
         out = np.full((n, qw.m + 3), np.nan, np.float32)
-        igemm._igemm(x, qw.ws, qw.qtype, out, 3)
+        igemm._igemm(x, qw.ws, qw.qtype, out, 3, narrow)
         xb = x.reshape(n, -1, 32)
         amax = np.abs(xb).max(axis=-1, keepdims=True)
         want = (np.rint(xb * (np.float32(127) / amax)) * (amax / np.float32(127))).reshape(n, k) @ dense.T
@@ -229,7 +231,7 @@ def test_fused_pre_and_post_steps(name, n):
     k, m, eps, qt = cols_for(name), 24, 1e-6, BY_NAME[name].id
     w = quantized(name, m, k, rng) if name in GGUF_QUANTIZES else random_raw(name, m, k, rng)
     dense = reference(w, name)
-    tol = 1e-5 if name == "F16" or (n > qm.SMALL_N and not qm.INT8_PREFILL) else 2e-2  # int8 activations
+    tol = 1e-5 if name == "F16" or (n > qm.SMALL_N and not qm.int8_prefill(qt)) else 2e-2  # int8 activations
     x = rng.standard_normal((n, k), dtype=np.float32)
     g = rng.standard_normal(k).astype(np.float32)
     got = qm.qmatmul(x, w, qt, pre="norm", pre_w=g, eps=eps)
