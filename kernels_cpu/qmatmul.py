@@ -45,10 +45,10 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, _K4D, _K4Q, _K4U, k4x16_block, k4x16_scales, repack_x16,
                       repack_x16_k4, x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
-from .simd import (_PMADDUBSW, _VPDPBUSD, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_small, dot8acc_small, fma,
-                   fma_kept, hmax, hsum, lane, ld, ld_f16, madd, madd_acc, maddubs, mul_kept, opaque, prefetch,
-                   shuffler, shuffler2, splat, st, vabs, vadd, vmax, vmul, vmul_kept, vrint, vsub, h2f, vand, view,
-                   vshr, vxor, word, ZEN)
+from .simd import (_PMADDUBSW, _VPDPBUSD, SIGN_TRICK, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_biased,
+                   dot4acc_small, dot8acc_biased, dot8acc_small, fma, fma_kept, hmax, hsum, lane, ld, ld_f16, madd,
+                   madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax,
+                   vmul, vmul_kept, vrint, vsub, h2f, vand, view, vshr, vxor, word, ZEN)
 
 SUPPORTED = qt.CPU_TYPES
 _FLOAT_TYPES = qt.FLOAT_TYPES
@@ -355,8 +355,8 @@ def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min, sma
     xg = xo + 128 * g
     if small:  # Q4 / Q5 quants (< 32): without VNNI, 3 products where the exact form takes 4 + widening
         i = dot8acc_small(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64), hi, ld(xq, xg + 64, 64))
-    else:
-        i = dot4acc(dot4acc(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64)), hi, ld(xq, xg + 64, 64))
+    else:  # Q8_0, IQ4_NL: biased signed quants (simd.SIGN_TRICK)
+        i = dot8acc_biased(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64), hi, ld(xq, xg + 64, 64))
     acc = fma(cvt(i, np.float32), vmul_kept(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc)
     if has_min:
         am = _min_32(m, xsum, bo, g, am)
@@ -374,7 +374,7 @@ def _block_32(q, d, m, xq, xo, xd, xsum, xoff, bo, b, tail, mins, small):
     if small:
         i = dot4acc_small(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32))
     else:
-        i = dot4acc(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32))
+        i = dot4acc_biased(ld(xoff, (xo >> 2) + 8 * b, 8), q, ld(xq, xo + 32 * b, 32))
     p = cvt(i, np.float32)
     return fma(p, splat(mul_kept(d, at(xd, bo + b)), 8), tail), add_kept(mins, mul_kept(m, at(xsum, bo + b)))
 
@@ -1025,6 +1025,8 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
                 xoff[t * nb + b] = -off * (i32(bsum[h]) + i32(bsum[h + 1]))
     if fam == 32 or qtype == IQ4_XS:
         off = igemm._type_info(qtype)[0]
+        if SIGN_TRICK and (qtype == Q8_0 or qtype == IQ4_NL):
+            off = 0  # their products leave the bias out (simd.dot8acc_biased)
         for t in range(n):
             _acts_quad(xq, off, k, t, xoff)
     if qtype == Q4_K or qtype == Q5_K:

@@ -701,6 +701,65 @@ def _dot4_small_ir(builder, acc, pairs, n):
     return builder.add(acc, _madd_ir(builder, s, ir.Constant(s.type, [1] * (n // 2)), n // 2))
 
 
+_PSIGNB = {n: name for n, name, ok in (
+    (32, "llvm.x86.avx2.psign.b", _x86("avx2")),
+    (16, "llvm.x86.ssse3.psign.b.128", _x86("ssse3")),
+) if ok}
+
+
+def _psign_ir(builder, x, w, n):
+    """x negated where w < 0, zero where w == 0 (int8 lanes; psignb)."""
+    if n in _PSIGNB:
+        return _call(builder, _PSIGNB[n], x.type, [x, w])
+    if n > 32 and 32 in _PSIGNB:
+        return _halves(builder, x, w, n, _psign_ir)
+    zero = ir.Constant(x.type, [0] * n)
+    neg = builder.select(builder.icmp_signed("<", w, zero), builder.neg(x), x)
+    return builder.select(builder.icmp_signed("==", w, zero), zero, neg)
+
+
+# Signed int8 weights stored biased (Q8_0's and IQ4_NL's quants + 128) times int8 activations
+# b > -128: without vpdpbusd (SIGN_TRICK) as llama.cpp's AVX2 form, pmaddubsw(|w|, sign(b, w))
+# (pair sums <= 2 x 128 x 127: no saturation) and pmaddwd by ones, the bias left out; else the
+# exact dot4 of the biased bytes, whose caller starts from -128 * sum(b).
+SIGN_TRICK = not _VPDPBUSD and 32 in _PMADDUBSW
+
+
+def _dot4_biased_ir(builder, acc, pairs, n):
+    if not SIGN_TRICK:
+        for a, b in pairs:
+            acc = _dot4_ir(builder, a, b, n, acc)
+        return acc
+    ones = ir.Constant(ir.VectorType(ir.IntType(16), n // 2), [1] * (n // 2))
+    zero, bias = ir.Constant(pairs[0][0].type, [0] * n), ir.Constant(pairs[0][0].type, [128] * n)
+    for a, b in pairs:
+        w = builder.xor(a, bias)  # the signed weights' bits
+        absw = builder.select(builder.icmp_signed("<", w, zero), builder.neg(w), w)  # pabsb; -128 -> 128
+        p = _maddubs_ir(builder, absw, _psign_ir(builder, b, w, n), n)
+        acc = builder.add(acc, _madd_ir(builder, p, ones, n // 2))
+    return acc
+
+
+@intrinsic
+def dot4acc_biased(typingctx, acc, a, b):
+    """acc + dot4(a - 128, b) (SIGN_TRICK), else acc + dot4(a, b)."""
+
+    def codegen(context, builder, sig, args):
+        return _dot4_biased_ir(builder, args[0], [(args[1], args[2])], a.n)
+
+    return acc(acc, a, b), codegen
+
+
+@intrinsic
+def dot8acc_biased(typingctx, acc, a0, b0, a1, b1):
+    """acc + dot4(a0 - 128, b0) + dot4(a1 - 128, b1) (SIGN_TRICK), else without the - 128."""
+
+    def codegen(context, builder, sig, args):
+        return _dot4_biased_ir(builder, args[0], [(args[1], args[2]), (args[3], args[4])], a0.n)
+
+    return acc(acc, a0, b0, a1, b1), codegen
+
+
 @intrinsic
 def dot4acc_small(typingctx, acc, a, b):
     """dot4acc for a's lanes < 128 (pmaddubsw cannot saturate): pmaddubsw + pmaddwd where there

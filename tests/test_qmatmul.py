@@ -387,9 +387,10 @@ def test_vector_primitives(monkeypatch, isa):
     last two forced by editing the feature tables before compiling fresh kernels. The block
     decoders are target-neutral code on top of these."""
     if isa != "native":
-        for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD", "_VPDPWSSD", "_PSHUFB", "_PERMW"):
-            keep = {16, 32} if isa == "avx2" and table in ("_PMADDWD", "_PMADDUBSW", "_PSHUFB") else set()
+        for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD", "_VPDPWSSD", "_PSHUFB", "_PERMW", "_PSIGNB"):
+            keep = {16, 32} if isa == "avx2" and table in ("_PMADDWD", "_PMADDUBSW", "_PSHUFB", "_PSIGNB") else set()
             monkeypatch.setattr(simd, table, {n: v for n, v in getattr(simd, table).items() if n in keep})
+        monkeypatch.setattr(simd, "SIGN_TRICK", isa == "avx2")
         monkeypatch.setattr(simd, "_NATIVE_F16", False if isa == "generic" else simd._NATIVE_F16)
 
     @numba.njit
@@ -408,6 +409,12 @@ def test_vector_primitives(monkeypatch, isa):
         simd.st(o_p32, 0, simd.dot8acc_small(simd.ld(acc, 0, 8), simd.ld(u8, 0, 32), simd.ld(i8, 0, 32),
                                              simd.ld(u8, 32, 32), simd.ld(i8, 32, 32)))
         simd.st(o_p64, 0, simd.dot8acc_small(simd.ld(acc, 0, 16), simd.ld(u8, 0, 64), simd.ld(i8, 0, 64),
+                                             simd.ld(u8, 64, 64), simd.ld(i8, 64, 64)))
+
+    @numba.njit
+    def biased_products(u8, i8, acc, o32, o64):  # Q8_0's / IQ4_NL's quants + 128
+        simd.st(o32, 0, simd.dot4acc_biased(simd.ld(acc, 0, 8), simd.ld(u8, 0, 32), simd.ld(i8, 0, 32)))
+        simd.st(o64, 0, simd.dot8acc_biased(simd.ld(acc, 0, 16), simd.ld(u8, 0, 64), simd.ld(i8, 0, 64),
                                              simd.ld(u8, 64, 64), simd.ld(i8, 64, 64)))
 
     @numba.njit
@@ -456,6 +463,16 @@ def test_vector_primitives(monkeypatch, isa):
         w8 = u8.astype(np.int64)
         np.testing.assert_array_equal(outs[2], acc[:8] + (w8[:32] * i8[:32] + w8[32:64] * i8[32:64]).reshape(-1, 4).sum(1))
         np.testing.assert_array_equal(outs[3], acc + p8[0] + p8[1])
+        ub = rng.integers(0, 256, 128, dtype=np.uint8)  # every signed weight, -128 (0) and 0 (128) among them
+        ub[:3], ub[64:67] = (0, 128, 255), (0, 128, 1)
+        xb = rng.integers(-127, 128, 128, dtype=np.int8)  # activations: never -128
+        xb[:3], xb[64:67] = -127, 127
+        outs = [np.zeros(n, np.int32) for n in (8, 16)]
+        biased_products(ub, xb, acc, *outs)
+        w = ub.astype(np.int64) - (128 if simd.SIGN_TRICK else 0)  # the trick leaves the bias out
+        pb = (w * xb).reshape(2, -1, 4).sum(2)
+        np.testing.assert_array_equal(outs[0], acc[:8] + pb[0, :8])
+        np.testing.assert_array_equal(outs[1], acc + pb[0] + pb[1])
     from edgekv.quants import KVALUES_IQ4NL
 
     table = np.array(KVALUES_IQ4NL) + 128
