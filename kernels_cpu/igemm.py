@@ -377,9 +377,10 @@ def _tile8(u, s, mn, xi, dx, xo, xs, k, sb, has_min, tg, nr, res):
 def _by8(a, per):
     """(tokens, per) -> (tokens / 8, per, 8): each group of 8 tokens' values side by side."""
     out = np.empty_like(a)
-    for i in range(a.size):
-        t, e = divmod(i, per)
-        out[(t >> 3) * (8 * per) + 8 * e + (t & 7)] = a[i]
+    for t in range(a.size // per):
+        o, i = (t >> 3) * (8 * per) + (t & 7), t * per
+        for e in range(per):
+            out[o + 8 * e] = a[i + e]
     return out
 
 
