@@ -45,7 +45,7 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, _K4D, _K4Q, _K4U, k4x16_block, k4x16_scales, repack_x16,
                       repack_x16_k4, x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
-from .simd import (_PMADDUBSW, _VPDPBUSD, SIGN_TRICK, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_biased,
+from .simd import (_PMADDUBSW, _VPDPBUSD, PMADDUBSW_DOTS, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_biased,
                    dot4acc_small, dot8acc_biased, dot8acc_small, fma, fma_kept, hmax, hsum, lane, ld, ld_f16, madd,
                    madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax,
                    vmul, vmul_kept, vrint, vsub, h2f, vand, view, vshr, vxor, word, ZEN)
@@ -355,7 +355,7 @@ def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min, sma
     xg = xo + 128 * g
     if small:  # Q4 / Q5 quants (< 32): without VNNI, 3 products where the exact form takes 4 + widening
         i = dot8acc_small(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64), hi, ld(xq, xg + 64, 64))
-    else:  # Q8_0, IQ4_NL: biased signed quants (simd.SIGN_TRICK)
+    else:  # Q8_0, IQ4_NL: biased signed quants (simd.PMADDUBSW_DOTS)
         i = dot8acc_biased(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64), hi, ld(xq, xg + 64, 64))
     acc = fma(cvt(i, np.float32), vmul_kept(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc)
     if has_min:
@@ -1025,7 +1025,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
                 xoff[t * nb + b] = -off * (i32(bsum[h]) + i32(bsum[h + 1]))
     if fam == 32 or qtype == IQ4_XS:
         off = igemm._type_info(qtype)[0]
-        if SIGN_TRICK and (qtype == Q8_0 or qtype == IQ4_NL):
+        if PMADDUBSW_DOTS and (qtype == Q8_0 or qtype == IQ4_NL):
             off = 0  # their products leave the bias out (simd.dot8acc_biased)
         for t in range(n):
             _acts_quad(xq, off, k, t, xoff)

@@ -686,12 +686,19 @@ def dot4acc(typingctx, acc, a, b):
     return acc(acc, a, b), codegen
 
 
+# Sums of 4 from pmaddubsw where there is no vpdpbusd (AVX2), for the quants it takes exactly:
+# small unsigned ones (Q4 / Q5) and biased signed ones (Q8_0, IQ4_NL: see _dot4_biased_ir). Where
+# this is False the exact dot4 runs, and the biased form keeps its bias (the caller's start value
+# then holds -128 * sum(b): qmatmul's xoff).
+PMADDUBSW_DOTS = not _VPDPBUSD and 32 in _PMADDUBSW
+
+
 def _dot4_small_ir(builder, acc, pairs, n):
     """acc + the dot4 of each (a, b) in pairs, for a whose products cannot overflow int16 when
     pmaddubsw's pair sums of all the pairs are added (unsigned lanes < 64 for two pairs: Q4 / Q5
-    quants). Without vpdpbusd: the pmaddubsw results summed, one pmaddwd by ones (2 + 1 products
-    for two pairs, where the exact form widens each operand first); with it, vpdpbusd each."""
-    if n in _VPDPBUSD or (n > 32 and 32 in _VPDPBUSD) or not (n in _PMADDUBSW or (n > 32 and 32 in _PMADDUBSW)):
+    quants): the pmaddubsw results summed, one pmaddwd by ones (2 + 1 products for two pairs,
+    where the exact form widens each operand first)."""
+    if not PMADDUBSW_DOTS:
         for a, b in pairs:
             acc = _dot4_ir(builder, a, b, n, acc)
         return acc
@@ -718,15 +725,12 @@ def _psign_ir(builder, x, w, n):
     return builder.select(builder.icmp_signed("==", w, zero), zero, neg)
 
 
-# Signed int8 weights stored biased (Q8_0's and IQ4_NL's quants + 128) times int8 activations
-# b > -128: without vpdpbusd (SIGN_TRICK) as llama.cpp's AVX2 form, pmaddubsw(|w|, sign(b, w))
-# (pair sums <= 2 x 128 x 127: no saturation) and pmaddwd by ones, the bias left out; else the
-# exact dot4 of the biased bytes, whose caller starts from -128 * sum(b).
-SIGN_TRICK = not _VPDPBUSD and 32 in _PMADDUBSW
-
-
 def _dot4_biased_ir(builder, acc, pairs, n):
-    if not SIGN_TRICK:
+    """acc + the dot4 of each (a - 128, b) in pairs: signed int8 weights stored biased times int8
+    activations b > -128, as llama.cpp's AVX2 form, pmaddubsw(|w|, sign(b, w)) (pair sums <= 2 x
+    128 x 127: no saturation) and pmaddwd by ones. Without PMADDUBSW_DOTS: the exact dot4 of the
+    biased bytes (a, b), bias included."""
+    if not PMADDUBSW_DOTS:
         for a, b in pairs:
             acc = _dot4_ir(builder, a, b, n, acc)
         return acc
@@ -740,45 +744,32 @@ def _dot4_biased_ir(builder, acc, pairs, n):
     return acc
 
 
-@intrinsic
-def dot4acc_biased(typingctx, acc, a, b):
-    """acc + dot4(a - 128, b) (SIGN_TRICK), else acc + dot4(a, b)."""
+def _make_acc_products(ir_fn, doc):
+    """Two intrinsics over ir_fn(builder, acc, pairs, n): acc + one pair's products (a, b), and
+    acc + two pairs' (a0, b0, a1, b1)."""
 
-    def codegen(context, builder, sig, args):
-        return _dot4_biased_ir(builder, args[0], [(args[1], args[2])], a.n)
+    @intrinsic
+    def one(typingctx, acc, a, b):
+        def codegen(context, builder, sig, args):
+            return ir_fn(builder, args[0], [(args[1], args[2])], a.n)
 
-    return acc(acc, a, b), codegen
+        return acc(acc, a, b), codegen
 
+    @intrinsic
+    def two(typingctx, acc, a0, b0, a1, b1):
+        def codegen(context, builder, sig, args):
+            return ir_fn(builder, args[0], [(args[1], args[2]), (args[3], args[4])], a0.n)
 
-@intrinsic
-def dot8acc_biased(typingctx, acc, a0, b0, a1, b1):
-    """acc + dot4(a0 - 128, b0) + dot4(a1 - 128, b1) (SIGN_TRICK), else without the - 128."""
+        return acc(acc, a0, b0, a1, b1), codegen
 
-    def codegen(context, builder, sig, args):
-        return _dot4_biased_ir(builder, args[0], [(args[1], args[2]), (args[3], args[4])], a0.n)
-
-    return acc(acc, a0, b0, a1, b1), codegen
-
-
-@intrinsic
-def dot4acc_small(typingctx, acc, a, b):
-    """dot4acc for a's lanes < 128 (pmaddubsw cannot saturate): pmaddubsw + pmaddwd where there
-    is no vpdpbusd."""
-
-    def codegen(context, builder, sig, args):
-        return _dot4_small_ir(builder, args[0], [(args[1], args[2])], a.n)
-
-    return acc(acc, a, b), codegen
+    one.__doc__ = two.__doc__ = doc
+    return one, two
 
 
-@intrinsic
-def dot8acc_small(typingctx, acc, a0, b0, a1, b1):
-    """acc + dot4(a0, b0) + dot4(a1, b1) for lanes of a0, a1 < 64 (see _dot4_small_ir)."""
-
-    def codegen(context, builder, sig, args):
-        return _dot4_small_ir(builder, args[0], [(args[1], args[2]), (args[3], args[4])], a0.n)
-
-    return acc(acc, a0, b0, a1, b1), codegen
+dot4acc_small, dot8acc_small = _make_acc_products(
+    _dot4_small_ir, "acc + dot4 of one pair (a < 128) or two (a < 64), pmaddubsw + pmaddwd where PMADDUBSW_DOTS")
+dot4acc_biased, dot8acc_biased = _make_acc_products(
+    _dot4_biased_ir, "acc + dot4(a - 128, b) of one pair or two where PMADDUBSW_DOTS, else dot4(a, b)")
 
 
 @intrinsic

@@ -390,7 +390,7 @@ def test_vector_primitives(monkeypatch, isa):
         for table in ("_PMADDWD", "_PMADDUBSW", "_VPDPBUSD", "_VPDPWSSD", "_PSHUFB", "_PERMW", "_PSIGNB"):
             keep = {16, 32} if isa == "avx2" and table in ("_PMADDWD", "_PMADDUBSW", "_PSHUFB", "_PSIGNB") else set()
             monkeypatch.setattr(simd, table, {n: v for n, v in getattr(simd, table).items() if n in keep})
-        monkeypatch.setattr(simd, "SIGN_TRICK", isa == "avx2")
+        monkeypatch.setattr(simd, "PMADDUBSW_DOTS", isa == "avx2")
         monkeypatch.setattr(simd, "_NATIVE_F16", False if isa == "generic" else simd._NATIVE_F16)
 
     @numba.njit
@@ -469,7 +469,7 @@ def test_vector_primitives(monkeypatch, isa):
         xb[:3], xb[64:67] = -127, 127
         outs = [np.zeros(n, np.int32) for n in (8, 16)]
         biased_products(ub, xb, acc, *outs)
-        w = ub.astype(np.int64) - (128 if simd.SIGN_TRICK else 0)  # the trick leaves the bias out
+        w = ub.astype(np.int64) - (128 if simd.PMADDUBSW_DOTS else 0)  # the trick leaves the bias out
         pb = (w * xb).reshape(2, -1, 4).sum(2)
         np.testing.assert_array_equal(outs[0], acc[:8] + pb[0, :8])
         np.testing.assert_array_equal(outs[1], acc + pb[0] + pb[1])
