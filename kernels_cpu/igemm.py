@@ -23,8 +23,11 @@ and one pmaddwd by ones makes the int32 sums of 4; 8 int32 accumulators, their f
 in the tile's result rows (L1) and added to once per sub-block. The 8 tokens' activations and
 scales are laid side by side first (_by8), so that every token's broadcast is one base address
 plus a constant (8 token pointers spilled the scalar registers: 226 -> 294 GFLOP/s, Q4_0 on
-Zen 3, 2 threads). Q8_0 and the IQ4 types (quants up to 255) stay on the float prefill there
-(qmatmul.int8_prefill).
+Zen 3, 2 threads). The K types take _tile8k there: activations per 256 (as llama.cpp's Q8_K),
++128 so that they are pmaddubsw's unsigned operand and the quants - off its signed one, the
+sub-block scales applied by the pmaddwd (int16 scales instead of ones), one float flush per
+super-block (4096x4096 n=512, Zen 3: Q6_K 255 -> 357 GFLOP/s, Q4_K 304 -> 321). Q8_0 and the
+IQ4 types (quants up to 255) stay on the float prefill there (qmatmul.int8_prefill).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _O
 from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, _K4D, _K4Q, _K4U, _each_block,
                       k4x16_field, x16_geometry, _tile_at, _tiles)
 from .simd import (_VPDPBUSD, at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, madd, maddubs, shuffler, splat, st,
-                   vadd, vand, view, vmul, vshr, vxor)
+                   vadd, vand, view, vmul, vshr, vsub, vxor)
 
 _R = 32  # rows per tile: two vectors of 16 int32 lanes
 _T = 6  # tokens per register tile (12 + 12 accumulators, 2 weights, 1 broadcast: 27 of 32 zmm)
@@ -84,22 +87,23 @@ def narrow(qtype: int) -> bool:
 # xo = -off * sum(xq) (the integer start of the row's accumulator) and xs = dx * sum(xq).
 # ---------------------------------------------------------------------------------------------
 @njit(fastmath=True, inline="always")
-def _quantize_token(x, t, k, sb, off, xq, dx, xo, xs):
-    nb, nsb = k // 32, k // sb
+def _quantize_token(x, t, k, qb, sb, off, xq, dx, xo, xs):
+    """Token t in blocks of qb (32, or 256 for the K types' narrow tile: as llama.cpp's Q8_K)."""
+    nb, nsb = k // qb, k // sb
     for b in range(nb):
         amax = f32(0)
-        for i in range(32 * b, 32 * b + 32):
+        for i in range(qb * b, qb * b + qb):
             amax = max(amax, abs(x[t, i]))
         inv = f32(127) / amax if amax > 0 else f32(0)
         d = amax / f32(127)
         dx[t * nb + b] = d
-        for h in range(32 // sb):
+        for h in range(qb // sb):
             total = 0
-            for i in range(32 * b + sb * h, 32 * b + sb * h + sb):
+            for i in range(qb * b + sb * h, qb * b + sb * h + sb):
                 q = np.int8(np.rint(x[t, i] * inv))
                 xq[t * k + i] = q
                 total += q
-            j = t * nsb + b * (32 // sb) + h
+            j = t * nsb + b * (qb // sb) + h
             xo[j] = -off * total
             xs[j] = d * f32(total)
 
@@ -176,6 +180,72 @@ def _unpack_k(a, scales, quants, nbytes, off, sb):
 
 
 @njit(fastmath=True, inline="always")
+def _unpack_kint(a, scales, quants, nbytes, off, sb):
+    """A K type's rows for _tile8k: quants - off as int8 into tmp; per sub-block the int16 scale
+    twice in an int32 (si: pmaddwd's operand), per pair of sub-blocks their int16 mins (mi); per
+    super-block d, -dmin (dd, dm) and the int32 start c0 = -128 * sum_j sc_j * (sub-block j's sum
+    of quants), which takes the activations' +128 (_tile8k) back out."""
+    w, rb, r0, nr, k, tmp, si, mi, dd, dm, c0 = a
+    nsup = k // 256
+    per = 256 // sb
+    ones8, ones16 = splat(np.uint8(1), 32), splat(np.int16(1), 16)
+    for rr in range(nr):
+        ro = (r0 + rr) * rb
+        for b in range(nsup):
+            o = ro + nbytes * b
+            d, dmin, sc, mv = scales(w, o)
+            base = rr * (64 * nsup) + 64 * b
+            total = 0
+            for c in range(8):  # chunk c: weights 32c .. 32c + 31 (sub-blocks 2c, 2c + 1 of 16)
+                q = vsub(quants(w, o, c), np.uint8(off))
+                st(tmp, base + 8 * c, view(q, np.uint32))
+                s4 = madd(maddubs(ones8, view(q, np.int8)), ones16)  # sums of 4
+                lo = lane(s4, 0) + lane(s4, 1) + lane(s4, 2) + lane(s4, 3)
+                hi = lane(s4, 4) + lane(s4, 5) + lane(s4, 6) + lane(s4, 7)
+                total += i32(lane(sc, 2 * c)) * lo + i32(lane(sc, 2 * c + (sb == 16))) * hi
+            for j in range(per):
+                scj = i32(lane(sc, j * (16 // per)))  # scales come per 16 (repeated for sub-blocks of 32)
+                si[(per * b + j) * _R + rr] = (scj & 0xFFFF) | (scj << 16)
+            for h in range(per // 2):
+                mi[(per // 2 * b + h) * _R + rr] = i32(lane(mv, 2 * h * (16 // per))) | (
+                    i32(lane(mv, (2 * h + 1) * (16 // per))) << 16)
+            dd[b * _R + rr] = d
+            dm[b * _R + rr] = -dmin
+            c0[b * _R + rr] = -128 * total
+
+
+@njit(fastmath=True, inline="always")
+def _to_tile(tmp, k, nr, u):
+    """tmp's rows (_R, k/4 groups of 4 quants; rows past nr zeroed here) transposed into u."""
+    k4 = k // 4
+    for rr in range(nr, _R):
+        for g in range(k4):
+            tmp[rr * k4 + g] = 0
+    for h in range(2):
+        for b in range(k // 32):
+            _transpose(tmp, k4, 16 * h * k4 + 8 * b, u, 8 * b * _R + 16 * h)
+
+
+@njit(inline="always")
+def _not_k(a, block, nbytes):
+    """_each_block's branch for the 32-element types, which _unpack_k8 is never given."""
+
+
+@njit(fastmath=True)
+def _unpack_k8(qtype, w, rb, r0, nr, k, u, si, mi, dd, dm, c0, tmp):
+    """The tile's rows of a K type for _tile8k (_unpack_kint), transposed into u as _unpack's."""
+    _each_block(qtype, _not_k, _unpack_kint, (w, rb, r0, nr, k, tmp, si, mi, dd, dm, c0))
+    for rr in range(nr, _R):
+        for j in range(si.size // _R):
+            si[j * _R + rr] = 0
+        for j in range(mi.size // _R):
+            mi[j * _R + rr] = 0
+        for b in range(dd.size // _R):
+            dd[b * _R + rr], dm[b * _R + rr], c0[b * _R + rr] = 0, 0, 0
+    _to_tile(tmp, k, nr, u)
+
+
+@njit(fastmath=True, inline="always")
 def _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn):
     """X16 rows are in u's layout already, 16 at a time: nibbles split (or Q8_0's bytes made
     unsigned), scales and mins widened."""
@@ -233,16 +303,11 @@ def _unpack(qtype, w, rb, r0, nr, k, u, s, mn, tmp):
         _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn)
         return
     _each_block(qtype, _unpack_32, _unpack_k, (w, rb, r0, nr, k, tmp, s, mn))
-    k4 = k // 4
     for rr in range(nr, _R):
-        for g in range(k4):
-            tmp[rr * k4 + g] = 0
         for j in range(s.size // _R):
             s[j * _R + rr] = 0
             mn[j * _R + rr] = 0
-    for h in range(2):
-        for b in range(k // 32):
-            _transpose(tmp, k4, 16 * h * k4 + 8 * b, u, 8 * b * _R + 16 * h)
+    _to_tile(tmp, k, nr, u)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +438,65 @@ def _tile8(u, s, mn, xi, dx, xo, xs, k, sb, has_min, tg, nr, res):
                 _flush8(a, sv, mv, at(dx, dj + t), at(xs, oj + t), res, t * _R + r, has_min)
 
 
+@njit(fastmath=True, inline="always")
+def _pair8k(acc, xi, i, w0, w1, sc):
+    """acc + one token's sums over two groups for 8 rows times their sub-block scales: the
+    activations (+128, unsigned) first in pmaddubsw, the signed quants second, one pmaddwd by sc."""
+    return vadd(acc, madd(vadd(maddubs(_bx8(xi, i), w0), maddubs(_bx8(xi, i + 8), w1)), sc))
+
+
+@njit(fastmath=True, inline="always")
+def _flush8k(acc, dv, dx, res, o):
+    st(res, o, fma(cvt(acc, f32), vmul(dv, splat(dx, 8)), ld(res, o, 8)))
+
+
+@njit(fastmath=True)
+def _tile8k(u, si, mi, dd, dm, c0, xi, dx, xp, k, sb, has_min, tg, nr, res):
+    """_tile8 for the K types: the sub-block scales applied in the integer domain (pmaddwd by the
+    int16 scales instead of ones) and the activations quantized per super-block of 256 (one
+    scale), so that a row's int32 sums run over the whole super-block and are converted and
+    scaled once per 256 weights instead of once per 16 or 32. The offsets cost nothing per token:
+    activations + 128 (unsigned, pmaddubsw's first operand) times quants - off (signed, |q| <= 32:
+    four products of 255 * 32 stay < 2**15), the +128's share in each row's start value c0. The
+    mins (Q2_K, Q4_K, Q5_K): int32 sums of the rows' int16 mins times the tokens' sub-block sums
+    (xp: int16 pairs), one float FMA per super-block and token."""
+    k4, nsup, nsb, gps, per = k // 4, k // 256, k // sb, sb // 4, 256 // sb
+    xb, db, pb = 8 * k4 * tg, 8 * nsup * tg, 4 * nsb * tg
+    for b in range(nsup):
+        for r in range(0, nr, 8):
+            a0 = ld(c0, b * _R + r, 8)
+            a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+            for j in range(per * b, per * b + per):
+                sc = view(ld(si, j * _R + r, 8), np.int16)
+                for g in range(j * gps, j * gps + gps, 2):
+                    w0 = view(ld(u, g * _R + r, 8), np.int8)
+                    w1 = view(ld(u, g * _R + _R + r, 8), np.int8)
+                    o = xb + 8 * g
+                    a0, a1 = _pair8k(a0, xi, o, w0, w1, sc), _pair8k(a1, xi, o + 1, w0, w1, sc)
+                    a2, a3 = _pair8k(a2, xi, o + 2, w0, w1, sc), _pair8k(a3, xi, o + 3, w0, w1, sc)
+                    a4, a5 = _pair8k(a4, xi, o + 4, w0, w1, sc), _pair8k(a5, xi, o + 5, w0, w1, sc)
+                    a6, a7 = _pair8k(a6, xi, o + 6, w0, w1, sc), _pair8k(a7, xi, o + 7, w0, w1, sc)
+            dv, d8 = ld(dd, b * _R + r, 8), db + 8 * b
+            _flush8k(a0, dv, at(dx, d8), res, r)
+            _flush8k(a1, dv, at(dx, d8 + 1), res, _R + r)
+            _flush8k(a2, dv, at(dx, d8 + 2), res, 2 * _R + r)
+            _flush8k(a3, dv, at(dx, d8 + 3), res, 3 * _R + r)
+            _flush8k(a4, dv, at(dx, d8 + 4), res, 4 * _R + r)
+            _flush8k(a5, dv, at(dx, d8 + 5), res, 5 * _R + r)
+            _flush8k(a6, dv, at(dx, d8 + 6), res, 6 * _R + r)
+            _flush8k(a7, dv, at(dx, d8 + 7), res, 7 * _R + r)
+            if has_min:  # sum_j m_j * X_j in int32 (X_j <= 32 * 127: int16), times -dmin * dx
+                mv, nh = ld(dm, b * _R + r, 8), per // 2
+                for t in range(8):
+                    xo = pb + 8 * nh * b + t
+                    m = madd(view(ld(mi, nh * b * _R + r, 8), np.int16), view(splat(at(xp, xo), 8), np.int16))
+                    for h in range(1, nh):
+                        m = vadd(m, madd(view(ld(mi, (nh * b + h) * _R + r, 8), np.int16),
+                                         view(splat(at(xp, xo + 8 * h), 8), np.int16)))
+                    o = t * _R + r
+                    st(res, o, fma(cvt(m, f32), vmul(mv, splat(at(dx, d8 + t), 8)), ld(res, o, 8)))
+
+
 @njit(fastmath=True)
 def _by8(a, per):
     """(tokens, per) -> (tokens / 8, per, 8): each group of 8 tokens' values side by side."""
@@ -388,19 +512,22 @@ def _by8(a, per):
 def _igemm(x, ws, qtype, out, col0, narrow):
     """out[:, col0 : col0 + m] = x @ [ws[0]; ws[1]; ws[2]].T for a quantized type (as qmatmul's
     _qgemm): activations quantized in parallel over tokens, then tiles of _R rows in parallel;
-    narrow: the register tiles of 8 x 8 (SMALL_TYPES only; see narrow())."""
+    narrow: the register tiles of 8 x 8 (SMALL_TYPES only; see narrow()), the K types' with their
+    scales in the integer domain (_tile8k: activations quantized per 256, as Q8_K)."""
     n, k = x.shape
     off, has_min, sb = _type_info(qtype)
     tt = _T8 if narrow else _T
+    kint = narrow and Q2_K <= qtype <= Q6_K  # the K types of SMALL_TYPES (GGUF ids 10 .. 14)
+    qb = 256 if kint else 32  # activation block
     npad = (n + tt - 1) // tt * tt  # padding tokens are zero: their results are dropped
-    nb, nsb = k // 32, k // sb
+    nb, nsb = k // qb, k // sb
     xq = np.empty(npad * k, np.int8)
     dx = np.empty(npad * nb, np.float32)
     xo = np.empty(npad * nsb, np.int32)
     xs = np.empty(npad * nsb, np.float32)
     for t in prange(npad):
-        if t < n:
-            _quantize_token(x, t, k, sb, off, xq, dx, xo, xs)
+        if t < n:  # (kint: the offset is the weights' (_tile8k), xo = the sub-blocks' sums of xq)
+            _quantize_token(x, t, k, qb, sb, -1 if kint else off, xq, dx, xo, xs)
         else:
             for i in range(t * k, t * k + k):
                 xq[i] = 0
@@ -412,6 +539,12 @@ def _igemm(x, ws, qtype, out, col0, narrow):
     xq4 = xq.view(np.uint32)
     if narrow:
         xi, dxi, xoi, xsi = _by8(xq4, k // 4), _by8(dx, nb), _by8(xo, nsb), _by8(xs, nsb)
+        if kint:
+            xi ^= np.uint32(0x80808080)  # + 128: unsigned, pmaddubsw's first operand
+            xp = np.empty(npad * nsb // 2, np.int32)  # sub-blocks' sums of xq in int16 pairs
+            for i in range(xp.size):
+                xp[i] = (xo[2 * i] & 0xFFFF) | (xo[2 * i + 1] << 16)
+            xp = _by8(xp, nsb // 2)
     rb = ws[0].shape[1]
     m0, m1, m2, tiles = _tiles(ws, _R)
     for item in prange(tiles):
@@ -421,10 +554,19 @@ def _igemm(x, ws, qtype, out, col0, narrow):
         s = np.empty(nsb * _R, np.float32)
         mn = np.empty(nsb * _R, np.float32)
         tmp = np.empty(k // 4 * _R, np.uint32)
-        _unpack(qtype, w.reshape(-1), rb, r0, nr, k, u, s, mn, tmp)
+        if kint:
+            si, mi = np.empty(nsb * _R, np.int32), np.empty(nsb // 2 * _R, np.int32)
+            dd, dm = np.empty(k // 256 * _R, np.float32), np.empty(k // 256 * _R, np.float32)
+            c0 = np.empty(k // 256 * _R, np.int32)
+            _unpack_k8(qtype, w.reshape(-1), rb, r0, nr, k, u, si, mi, dd, dm, c0, tmp)
+        else:
+            _unpack(qtype, w.reshape(-1), rb, r0, nr, k, u, s, mn, tmp)
         res = np.empty(tt * _R, np.float32)
         for g in range(npad // tt):
-            if narrow:
+            if kint:
+                res[:] = 0
+                _tile8k(u, si, mi, dd, dm, c0, xi, dxi, xp, k, sb, has_min, g, nr, res)
+            elif narrow:
                 res[:] = 0
                 _tile8(u, s, mn, xi, dxi, xoi, xsi, k, sb, has_min, g, nr, res)
             else:

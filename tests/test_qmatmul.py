@@ -61,12 +61,15 @@ def reference(w: np.ndarray, name: str) -> np.ndarray:
     return dequantize(w, qt.id).reshape(w.shape[0], -1).astype(np.float64)
 
 
-def int8_activations(x: np.ndarray, name: str) -> np.ndarray:
-    """x as the kernels see it: int8 blocks (32; 256 for K types on the decode path) times a
-    float32 scale amax/127, rounded half to even."""
-    if x.shape[0] > qm.SMALL_N and not qm.int8_prefill(BY_NAME[name].id):  # float prefill: x as it is
+def int8_activations(x: np.ndarray, name: str, kernel_type: int | None = None) -> np.ndarray:
+    """x as the kernels see it: int8 blocks (32; 256 for K types on the decode path and on the
+    narrow prefill tile) times a float32 scale amax/127, rounded half to even. kernel_type: the
+    weight's type as the kernels get it where it differs from name's (a repacked layout)."""
+    qt = BY_NAME[name].id
+    if x.shape[0] > qm.SMALL_N and not qm.int8_prefill(qt):  # float prefill: x as it is
         return x.astype(np.float64)
-    bs = 256 if BY_NAME[name].block_elems == 256 and x.shape[0] <= qm.SMALL_N else 32
+    q8_k = x.shape[0] <= qm.SMALL_N or igemm.narrow(qt if kernel_type is None else kernel_type)
+    bs = 256 if BY_NAME[name].block_elems == 256 and q8_k else 32
     xb = x.reshape(x.shape[0], -1, bs)
     amax = np.abs(xb).max(axis=-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
@@ -137,7 +140,7 @@ def test_int8_gemm(name, narrow):
         x = rng.standard_normal((n, k), dtype=np.float32)
         out = np.full((n, qw.m + 3), np.nan, np.float32)
         igemm._igemm(x, qw.ws, qw.qtype, out, 3, narrow)
-        xb = x.reshape(n, -1, 32)
+        xb = x.reshape(n, -1, 256 if narrow and name.endswith("_K") else 32)  # Q8_K's blocks (_tile8k)
         amax = np.abs(xb).max(axis=-1, keepdims=True)
         want = (np.rint(xb * (np.float32(127) / amax)) * (amax / np.float32(127))).reshape(n, k) @ dense.T
         assert rel_err(out[:, 3:], want) < 1e-5
@@ -523,7 +526,7 @@ def test_repacked_x16(monkeypatch, name):
             out = np.full((n, qw.m + 3), np.nan, np.float32)
             _run(packed, x[:n], out, 3)
             assert np.isnan(out[:, :3]).all()
-            assert rel_err(out[:, 3:], int8_activations(x[:n], name) @ dense.T) < 1e-5, (k, n)
+            assert rel_err(out[:, 3:], int8_activations(x[:n], name, packed.qtype) @ dense.T) < 1e-5, (k, n)
             if n <= qm.SMALL_N:
                 np.testing.assert_array_equal(out[:, 3:], alone[:n], err_msg=f"k={k} n={n}")
 
