@@ -77,9 +77,19 @@ def _type_info(qtype):
     return _OFF_IQ4_XS, False, 32  # IQ4_XS
 
 
+def small(qtype: int) -> bool:
+    """Whether the type (an X16 layout: its GGUF type) is one of SMALL_TYPES."""
+    return (qtype - X16 if qtype > X16 else qtype) in SMALL_TYPES
+
+
 def narrow(qtype: int) -> bool:
     """Whether _igemm takes the narrow tile for this type on this machine."""
-    return NARROW and qtype in SMALL_TYPES
+    return NARROW and small(qtype)
+
+
+def q8_k(qtype: int) -> bool:
+    """Whether _igemm quantizes the activations per 256 for this type (_tile8k's K types)."""
+    return narrow(qtype) and Q2_K <= qtype <= Q6_K
 
 
 # ---------------------------------------------------------------------------------------------

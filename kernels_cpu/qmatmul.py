@@ -92,7 +92,7 @@ INT8_PREFILL = bool(_VPDPBUSD or 32 in _PMADDUBSW) and os.environ.get("EDGEKV_PR
 
 def int8_prefill(qtype: int) -> bool:
     """Whether a prefill product of this type runs on int8 activations (the GEMM of igemm.py)."""
-    return INT8_PREFILL and qtype not in _FLOAT_TYPES and (bool(_VPDPBUSD) or qtype in igemm.SMALL_TYPES)
+    return INT8_PREFILL and qtype not in _FLOAT_TYPES and (bool(_VPDPBUSD) or igemm.small(qtype))
 # Up to this many tokens: integer dots on rows read once (decode). Measured crossovers: ~8 tokens
 # against the float prefill tiles, ~16-24 against the int8 GEMM (which unpacks every tile first).
 SMALL_N = 15 if _VPDPBUSD else 7
@@ -525,16 +525,22 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nby
 
 
 @njit(fastmath=True)
-def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min):
+def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min, small):
     """One token's share of a block of 16 repacked rows (v: 8 vectors of their quants as unsigned
     bytes, v[s] at k = 4s .. 4s+3 of the block; ds, ms: 16 scales and mins) added to f: two
     chains of 4 vpdpbusd on broadcast activations, the first started from -off * the block's sum
     of xq (xoff), then one scale (and min) per lane."""
-    i = dot4acc(splat(at(xoff, bt), 16), v[0], _bx(xq, xo))
-    j = dot4(v[4], _bx(xq, xo + 16))
-    i, j = dot4acc(i, v[1], _bx(xq, xo + 4)), dot4acc(j, v[5], _bx(xq, xo + 20))
-    i, j = dot4acc(i, v[2], _bx(xq, xo + 8)), dot4acc(j, v[6], _bx(xq, xo + 24))
-    i, j = dot4acc(i, v[3], _bx(xq, xo + 12)), dot4acc(j, v[7], _bx(xq, xo + 28))
+    if small:  # nibbles (< 16): pairs of sums of 4 (two vpdpbusd, or pmaddubsw x 2 + pmaddwd on AVX2)
+        i = dot8acc_small(splat(at(xoff, bt), 16), v[0], _bx(xq, xo), v[1], _bx(xq, xo + 4))
+        j = dot8acc_small(splat(i32(0), 16), v[4], _bx(xq, xo + 16), v[5], _bx(xq, xo + 20))
+        i = dot8acc_small(i, v[2], _bx(xq, xo + 8), v[3], _bx(xq, xo + 12))
+        j = dot8acc_small(j, v[6], _bx(xq, xo + 24), v[7], _bx(xq, xo + 28))
+    else:
+        i = dot4acc(splat(at(xoff, bt), 16), v[0], _bx(xq, xo))
+        j = dot4(v[4], _bx(xq, xo + 16))
+        i, j = dot4acc(i, v[1], _bx(xq, xo + 4)), dot4acc(j, v[5], _bx(xq, xo + 20))
+        i, j = dot4acc(i, v[2], _bx(xq, xo + 8)), dot4acc(j, v[6], _bx(xq, xo + 24))
+        i, j = dot4acc(i, v[3], _bx(xq, xo + 12)), dot4acc(j, v[7], _bx(xq, xo + 28))
     f = fma_kept(cvt(vadd(i, j), f32), vmul_kept(ds, splat(at(xd, bt), 16)), f)
     return fma_kept(ms, splat(at(xsum, bt), 16), f) if has_min else f
 
@@ -568,12 +574,15 @@ def _x16_half(w, o, h, qb, has_min, xq, k, xd, xsum, xoff, t, nb, b, nt, f0, f1,
     ds = h2f(view(ld(w, sc, 32), np.uint16))
     ms = h2f(view(ld(w, sc + 64, 32), np.uint16)) if has_min else ds
     v = _x16_quants(w, o + 16 * qb * h, qb)
-    f0 = _x16_token(v, ds, ms, xq, t * k + 32 * b, xd, xsum, xoff, t * nb + b, f0, has_min)
+    f0 = _x16_token(v, ds, ms, xq, t * k + 32 * b, xd, xsum, xoff, t * nb + b, f0, has_min, qb == 16)
     if nt > 1:
-        f1 = _x16_token(v, ds, ms, xq, (t + 1) * k + 32 * b, xd, xsum, xoff, (t + 1) * nb + b, f1, has_min)
+        f1 = _x16_token(v, ds, ms, xq, (t + 1) * k + 32 * b, xd, xsum, xoff, (t + 1) * nb + b, f1, has_min,
+                        qb == 16)
     if nt > 2:
-        f2 = _x16_token(v, ds, ms, xq, (t + 2) * k + 32 * b, xd, xsum, xoff, (t + 2) * nb + b, f2, has_min)
-        f3 = _x16_token(v, ds, ms, xq, (t + 3) * k + 32 * b, xd, xsum, xoff, (t + 3) * nb + b, f3, has_min)
+        f2 = _x16_token(v, ds, ms, xq, (t + 2) * k + 32 * b, xd, xsum, xoff, (t + 2) * nb + b, f2, has_min,
+                        qb == 16)
+        f3 = _x16_token(v, ds, ms, xq, (t + 3) * k + 32 * b, xd, xsum, xoff, (t + 3) * nb + b, f3, has_min,
+                        qb == 16)
     return f0, f1, f2, f3
 
 
@@ -654,15 +663,17 @@ _DUP0, _DUP1, _DUP2, _DUP3 = (shuffler(*[16 * j + r for r in range(16) for _ in 
 def _k4_token(lo, hi, sl, sh, xq, xo, a):
     """a + one token's share of a Q4_KX16 chunk: lo, hi (8 vectors of 16 rows x 4 elements, the
     chunk's two sub-blocks) dotted with the activations at xo and xo + 32, times the scales sl, sh."""
-    # four chains of 4 products: shorter dependencies (two chains of 8 measured the same)
-    i, j = dot4(lo[0], _bx(xq, xo)), dot4(hi[0], _bx(xq, xo + 32))
-    i2, j2 = dot4(lo[1], _bx(xq, xo + 4)), dot4(hi[1], _bx(xq, xo + 36))
-    i, j = dot4acc(i, lo[2], _bx(xq, xo + 8)), dot4acc(j, hi[2], _bx(xq, xo + 40))
-    i2, j2 = dot4acc(i2, lo[3], _bx(xq, xo + 12)), dot4acc(j2, hi[3], _bx(xq, xo + 44))
-    i, j = dot4acc(i, lo[4], _bx(xq, xo + 16)), dot4acc(j, hi[4], _bx(xq, xo + 48))
-    i2, j2 = dot4acc(i2, lo[5], _bx(xq, xo + 20)), dot4acc(j2, hi[5], _bx(xq, xo + 52))
-    i, j = dot4acc(i, lo[6], _bx(xq, xo + 24)), dot4acc(j, hi[6], _bx(xq, xo + 56))
-    i2, j2 = dot4acc(i2, lo[7], _bx(xq, xo + 28)), dot4acc(j2, hi[7], _bx(xq, xo + 60))
+    # four chains of 4 products (shorter dependencies; two chains of 8 measured the same), in
+    # pairs of sums of 4 (nibbles: two vpdpbusd, or pmaddubsw x 2 + one pmaddwd on AVX2)
+    z = splat(i32(0), 16)
+    i = dot8acc_small(z, lo[0], _bx(xq, xo), lo[2], _bx(xq, xo + 8))
+    j = dot8acc_small(z, hi[0], _bx(xq, xo + 32), hi[2], _bx(xq, xo + 40))
+    i2 = dot8acc_small(z, lo[1], _bx(xq, xo + 4), lo[3], _bx(xq, xo + 12))
+    j2 = dot8acc_small(z, hi[1], _bx(xq, xo + 36), hi[3], _bx(xq, xo + 44))
+    i = dot8acc_small(i, lo[4], _bx(xq, xo + 16), lo[6], _bx(xq, xo + 24))
+    j = dot8acc_small(j, hi[4], _bx(xq, xo + 48), hi[6], _bx(xq, xo + 56))
+    i2 = dot8acc_small(i2, lo[5], _bx(xq, xo + 20), lo[7], _bx(xq, xo + 28))
+    j2 = dot8acc_small(j2, hi[5], _bx(xq, xo + 52), hi[7], _bx(xq, xo + 60))
     return vadd(a, vadd(vmul(vadd(i, i2), sl), vmul(vadd(j, j2), sh)))
 
 
@@ -675,14 +686,18 @@ def _k4_chunk(w, q, xq, xo, k, nt, sl, sh, a0, a1, a2, a3):
             prefetch(w, q + _PF_K4X16 + p)
         z = splat(i32(0), 16)
         i0, j0, i1, j1, i2, j2, i3, j3 = z, z, z, z, z, z, z, z
-        for s in range(8):
-            v = ld(w, q + 64 * s, 64)
-            lo, hi = vand(v, 15), _hi4(v)
+        for s in range(0, 8, 2):  # two lines at a time: pairs of sums of 4 (see _k4_token)
+            v, u = ld(w, q + 64 * s, 64), ld(w, q + 64 * s + 64, 64)
+            lo, hi, lu, hu = vand(v, 15), _hi4(v), vand(u, 15), _hi4(u)
             x = xo + 4 * s
-            i0, j0 = dot4acc(i0, lo, _bx(xq, x)), dot4acc(j0, hi, _bx(xq, x + 32))
-            i1, j1 = dot4acc(i1, lo, _bx(xq, x + k)), dot4acc(j1, hi, _bx(xq, x + k + 32))
-            i2, j2 = dot4acc(i2, lo, _bx(xq, x + 2 * k)), dot4acc(j2, hi, _bx(xq, x + 2 * k + 32))
-            i3, j3 = dot4acc(i3, lo, _bx(xq, x + 3 * k)), dot4acc(j3, hi, _bx(xq, x + 3 * k + 32))
+            i0 = dot8acc_small(i0, lo, _bx(xq, x), lu, _bx(xq, x + 4))
+            j0 = dot8acc_small(j0, hi, _bx(xq, x + 32), hu, _bx(xq, x + 36))
+            i1 = dot8acc_small(i1, lo, _bx(xq, x + k), lu, _bx(xq, x + k + 4))
+            j1 = dot8acc_small(j1, hi, _bx(xq, x + k + 32), hu, _bx(xq, x + k + 36))
+            i2 = dot8acc_small(i2, lo, _bx(xq, x + 2 * k), lu, _bx(xq, x + 2 * k + 4))
+            j2 = dot8acc_small(j2, hi, _bx(xq, x + 2 * k + 32), hu, _bx(xq, x + 2 * k + 36))
+            i3 = dot8acc_small(i3, lo, _bx(xq, x + 3 * k), lu, _bx(xq, x + 3 * k + 4))
+            j3 = dot8acc_small(j3, hi, _bx(xq, x + 3 * k + 32), hu, _bx(xq, x + 3 * k + 36))
         # int32 throughout: the same sums as _k4_token's, whatever their order
         return (vadd(a0, vadd(vmul(i0, sl), vmul(j0, sh))), vadd(a1, vadd(vmul(i1, sl), vmul(j1, sh))),
                 vadd(a2, vadd(vmul(i2, sl), vmul(j2, sh))), vadd(a3, vadd(vmul(i3, sl), vmul(j3, sh))))
@@ -1219,14 +1234,17 @@ def _aligned(shape: tuple[int, int]) -> np.ndarray:
 
 
 def packable(qtype: int, shapes) -> bool:
-    """Whether pack would repack a weight of this type whose parts have these (rows, row bytes)."""
-    return 64 in _VPDPBUSD and all(x16_fits(qtype, *sh) for sh in shapes if sh[0])
+    """Whether pack would repack a weight of this type whose parts have these (rows, row bytes):
+    with AVX-512 VNNI, and on AVX2 the nibble types (their pairs of sums of 4 on pmaddubsw: Q8_0's
+    bytes would overflow its int16 sums)."""
+    ok = 64 in _VPDPBUSD or (not _VPDPBUSD and 32 in _PMADDUBSW and qtype != Q8_0)  # (simd.PMADDUBSW_DOTS)
+    return ok and all(x16_fits(qtype, *sh) for sh in shapes if sh[0])
 
 
 def pack(qw: QWeight, alloc=_aligned) -> QWeight:
     """qw in this machine's faster decode layout where there is one, else qw itself: Q4_0, Q4_1,
-    Q8_0 and Q4_K with AVX-512 VNNI -> their X16 layout (layouts.py; every part whole groups of 16
-    rows and pairs of blocks). The parts are new arrays from alloc(shape) (empty uint8, 64-byte
+    Q8_0 and Q4_K with AVX-512 VNNI (all but Q8_0 on AVX2) -> their X16 layout (layouts.py; every
+    part whole groups of 16 rows and pairs of blocks). The parts are new arrays from alloc(shape) (empty uint8, 64-byte
     aligned): the caller's may be released."""
     if not packable(qw.qtype, [p.shape for p in qw.ws]):
         return qw

@@ -39,7 +39,7 @@ def test_cpu_matches_reference(model_key):
     kl = (np.exp(lr) * (lr - lc)).sum(-1)
     rel = np.linalg.norm(cpu - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
     if INT8_PREFILL:
-        bound = MAX_KL if igemm.narrow(BY_NAME["Q4_K"].id) else MAX_KL / 2
+        bound = MAX_KL if igemm.q8_k(BY_NAME["Q4_K"].id) else MAX_KL / 2
         assert top1 >= MIN_TOP1 and kl.mean() <= bound and kl.max() < 0.1, (top1, kl.mean(), kl.max())
     else:
         assert top1 >= 0.97 and rel.max() < 0.05, (top1, rel.max())

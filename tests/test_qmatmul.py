@@ -68,7 +68,7 @@ def int8_activations(x: np.ndarray, name: str, kernel_type: int | None = None) -
     qt = BY_NAME[name].id
     if x.shape[0] > qm.SMALL_N and not qm.int8_prefill(qt):  # float prefill: x as it is
         return x.astype(np.float64)
-    q8_k = x.shape[0] <= qm.SMALL_N or igemm.narrow(qt if kernel_type is None else kernel_type)
+    q8_k = x.shape[0] <= qm.SMALL_N or igemm.q8_k(qt if kernel_type is None else kernel_type)
     bs = 256 if BY_NAME[name].block_elems == 256 and q8_k else 32
     xb = x.reshape(x.shape[0], -1, bs)
     amax = np.abs(xb).max(axis=-1, keepdims=True)
@@ -548,7 +548,8 @@ def test_q4_0_repacked_fused_steps(monkeypatch):
 
 def test_q4_0_repack_only_whole_groups(monkeypatch):
     """pack leaves a weight as it is where the layout does not fit (rows not whole groups of 16, an
-    odd number of blocks, a type without one) or without AVX-512 VNNI."""
+    odd number of blocks, a type without one), with AVX-VNNI alone (256 bits), and for Q8_0 where
+    the products are AVX2's pmaddubsw (its int16 pair sums would overflow)."""
     rng = np.random.default_rng(25)
     monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test"})
     for parts, name in (([random_raw("Q4_0", 16, 64, rng), random_raw("Q4_0", 8, 64, rng)], "Q4_0"),
@@ -559,3 +560,8 @@ def test_q4_0_repack_only_whole_groups(monkeypatch):
     monkeypatch.setattr(qm, "_VPDPBUSD", {32: "test"})
     qw = qm.QWeight(random_raw("Q4_0", 32, 64, rng), BY_NAME["Q4_0"].id)
     assert qm.pack(qw) is qw
+    monkeypatch.setattr(qm, "_VPDPBUSD", {})
+    monkeypatch.setattr(qm, "_PMADDUBSW", {32: "test"})
+    assert qm.pack(qw).qtype == layouts.X16 + qw.qtype
+    q8 = qm.QWeight(random_raw("Q8_0", 32, 64, rng), BY_NAME["Q8_0"].id)
+    assert qm.pack(q8) is q8
