@@ -535,12 +535,11 @@ def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min, small):
         j = dot8acc_small(splat(i32(0), 16), v[4], _bx(xq, xo + 16), v[5], _bx(xq, xo + 20))
         i = dot8acc_small(i, v[2], _bx(xq, xo + 8), v[3], _bx(xq, xo + 12))
         j = dot8acc_small(j, v[6], _bx(xq, xo + 24), v[7], _bx(xq, xo + 28))
-    else:
-        i = dot4acc(splat(at(xoff, bt), 16), v[0], _bx(xq, xo))
-        j = dot4(v[4], _bx(xq, xo + 16))
-        i, j = dot4acc(i, v[1], _bx(xq, xo + 4)), dot4acc(j, v[5], _bx(xq, xo + 20))
-        i, j = dot4acc(i, v[2], _bx(xq, xo + 8)), dot4acc(j, v[6], _bx(xq, xo + 24))
-        i, j = dot4acc(i, v[3], _bx(xq, xo + 12)), dot4acc(j, v[7], _bx(xq, xo + 28))
+    else:  # Q8_0's bytes + 128 (the bias left to xoff, or out where simd.PMADDUBSW_DOTS)
+        i = dot8acc_biased(splat(at(xoff, bt), 16), v[0], _bx(xq, xo), v[1], _bx(xq, xo + 4))
+        j = dot8acc_biased(splat(i32(0), 16), v[4], _bx(xq, xo + 16), v[5], _bx(xq, xo + 20))
+        i = dot8acc_biased(i, v[2], _bx(xq, xo + 8), v[3], _bx(xq, xo + 12))
+        j = dot8acc_biased(j, v[6], _bx(xq, xo + 24), v[7], _bx(xq, xo + 28))
     f = fma_kept(cvt(vadd(i, j), f32), vmul_kept(ds, splat(at(xd, bt), 16)), f)
     return fma_kept(ms, splat(at(xsum, bt), 16), f) if has_min else f
 
@@ -1033,7 +1032,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
             sl = slice(t * nb, t * nb + nb)
             _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
     if fam == 16:  # X16 types: activations in order, xoff = -off * each block's sum (bsum: halves)
-        off = igemm._type_info(qtype)[0]
+        off = 0 if PMADDUBSW_DOTS and qtype == Q8_0X16 else igemm._type_info(qtype)[0]
         for t in range(n):
             for b in range(nb):
                 h = t * (k // 16) + 2 * b
@@ -1235,15 +1234,15 @@ def _aligned(shape: tuple[int, int]) -> np.ndarray:
 
 def packable(qtype: int, shapes) -> bool:
     """Whether pack would repack a weight of this type whose parts have these (rows, row bytes):
-    with AVX-512 VNNI, and on AVX2 the nibble types (their pairs of sums of 4 on pmaddubsw: Q8_0's
-    bytes would overflow its int16 sums)."""
-    ok = 64 in _VPDPBUSD or (not _VPDPBUSD and 32 in _PMADDUBSW and qtype != Q8_0)  # (simd.PMADDUBSW_DOTS)
+    with AVX-512 VNNI or AVX2's pmaddubsw (not AVX-VNNI alone: its 256-bit vpdpbusd would run the
+    layout's 512-bit products in halves, unmeasured)."""
+    ok = 64 in _VPDPBUSD or (not _VPDPBUSD and 32 in _PMADDUBSW)  # (simd.PMADDUBSW_DOTS)
     return ok and all(x16_fits(qtype, *sh) for sh in shapes if sh[0])
 
 
 def pack(qw: QWeight, alloc=_aligned) -> QWeight:
     """qw in this machine's faster decode layout where there is one, else qw itself: Q4_0, Q4_1,
-    Q8_0 and Q4_K with AVX-512 VNNI (all but Q8_0 on AVX2) -> their X16 layout (layouts.py; every
+    Q8_0 and Q4_K with AVX-512 VNNI or AVX2 -> their X16 layout (layouts.py; every
     part whole groups of 16 rows and pairs of blocks). The parts are new arrays from alloc(shape) (empty uint8, 64-byte
     aligned): the caller's may be released."""
     if not packable(qw.qtype, [p.shape for p in qw.ws]):
