@@ -89,7 +89,7 @@ def narrow(qtype: int) -> bool:
 
 def q8_k(qtype: int) -> bool:
     """Whether _igemm quantizes the activations per 256 for this type (_tile8k's K types)."""
-    return narrow(qtype) and Q2_K <= qtype <= Q6_K
+    return narrow(qtype) and (Q2_K <= qtype <= Q6_K or qtype == Q4_KX16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +301,41 @@ def _unpack_k4x16(w, rb, r0, nr, k, u, s, mn):
                         mn[o] = -half(w, un + _K4D + 32 + 2 * r) * f32(m)
                     else:
                         s[o], mn[o] = 0, 0
+
+
+@njit(fastmath=True)
+def _unpack_k4x16_int(w, rb, r0, nr, k, u, si, mi, dd, dm, c0):
+    """Q4_KX16 rows for _tile8k, as _unpack_kint gives Q4_K's (its quants have no offset: u as
+    _unpack_k4x16's); each row's sums of quants per sub-block from the unpacked lines."""
+    zu = splat(np.uint32(0), 16)
+    ones8, ones16 = splat(np.int8(1), 64), splat(np.int16(1), 32)
+    sums = np.empty(16, np.int32)
+    for h in range(_R // 16):
+        g = (r0 + 16 * h) * rb
+        live = 16 * h < nr
+        for sb in range(k // 256):
+            un = g + _K4U * sb
+            total = np.zeros(16, np.int32)
+            for j in range(8):  # sub-block j: chunk j // 2, low or high nibbles
+                b = 8 * sb + j
+                acc = splat(i32(0), 16)
+                for i in range(8):
+                    v = vand(vshr(view(ld(w, un + _K4Q + 512 * (j // 2) + 64 * i, 64), np.uint32), 4 * (j % 2)),
+                             0x0F0F0F0F) if live else zu
+                    st(u, (8 * b + i) * _R + 16 * h, v)
+                    acc = vadd(acc, madd(maddubs(view(v, np.uint8), ones8), ones16))  # the rows' sums of 4
+                st(sums, 0, acc)
+                for r in range(16):
+                    sc, m = k4x16_field(w, un, r, j) if live else (i32(0), i32(0))
+                    si[b * _R + 16 * h + r] = (sc & 0xFFFF) | (sc << 16)
+                    p = (4 * sb + j // 2) * _R + 16 * h + r
+                    mi[p] = m if j % 2 == 0 else mi[p] | (m << 16)
+                    total[r] += sc * sums[r]
+            for r in range(16):
+                o = sb * _R + 16 * h + r
+                dd[o] = half(w, un + _K4D + 2 * r) if live else f32(0)
+                dm[o] = -half(w, un + _K4D + 32 + 2 * r) if live else f32(0)
+                c0[o] = -128 * total[r]
 
 
 @njit(fastmath=True)
@@ -527,7 +562,7 @@ def _igemm(x, ws, qtype, out, col0, narrow):
     n, k = x.shape
     off, has_min, sb = _type_info(qtype)
     tt = _T8 if narrow else _T
-    kint = narrow and Q2_K <= qtype <= Q6_K  # the K types of SMALL_TYPES (GGUF ids 10 .. 14)
+    kint = narrow and (Q2_K <= qtype <= Q6_K or qtype == Q4_KX16)  # the K types (GGUF ids 10 .. 14)
     qb = 256 if kint else 32  # activation block
     npad = (n + tt - 1) // tt * tt  # padding tokens are zero: their results are dropped
     nb, nsb = k // qb, k // sb
@@ -568,7 +603,10 @@ def _igemm(x, ws, qtype, out, col0, narrow):
             si, mi = np.empty(nsb * _R, np.int32), np.empty(nsb // 2 * _R, np.int32)
             dd, dm = np.empty(k // 256 * _R, np.float32), np.empty(k // 256 * _R, np.float32)
             c0 = np.empty(k // 256 * _R, np.int32)
-            _unpack_k8(qtype, w.reshape(-1), rb, r0, nr, k, u, si, mi, dd, dm, c0, tmp)
+            if qtype == Q4_KX16:
+                _unpack_k4x16_int(w.reshape(-1), rb, r0, nr, k, u, si, mi, dd, dm, c0)
+            else:
+                _unpack_k8(qtype, w.reshape(-1), rb, r0, nr, k, u, si, mi, dd, dm, c0, tmp)
         else:
             _unpack(qtype, w.reshape(-1), rb, r0, nr, k, u, s, mn, tmp)
         res = np.empty(tt * _R, np.float32)
