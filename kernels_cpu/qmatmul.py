@@ -528,8 +528,9 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nby
 def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min, small):
     """One token's share of a block of 16 repacked rows (v: 8 vectors of their quants as unsigned
     bytes, v[s] at k = 4s .. 4s+3 of the block; ds, ms: 16 scales and mins) added to f: two
-    chains of 4 vpdpbusd on broadcast activations, the first started from -off * the block's sum
-    of xq (xoff), then one scale (and min) per lane."""
+    chains of 4 sums of 4 on broadcast activations, in pairs (with VNNI two vpdpbusd; on AVX2 two
+    pmaddubsw and a pmaddwd: simd.dot8acc_small / _biased), the first started from -off * the
+    block's sum of xq (xoff), then one scale (and min) per lane."""
     if small:  # nibbles (< 16): pairs of sums of 4 (two vpdpbusd, or pmaddubsw x 2 + pmaddwd on AVX2)
         i = dot8acc_small(splat(at(xoff, bt), 16), v[0], _bx(xq, xo), v[1], _bx(xq, xo + 4))
         j = dot8acc_small(splat(i32(0), 16), v[4], _bx(xq, xo + 16), v[5], _bx(xq, xo + 20))
