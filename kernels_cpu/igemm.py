@@ -309,13 +309,13 @@ def _unpack_k4x16_int(w, rb, r0, nr, k, u, si, mi, dd, dm, c0):
     _unpack_k4x16's); each row's sums of quants per sub-block from the unpacked lines."""
     zu = splat(np.uint32(0), 16)
     ones8, ones16 = splat(np.int8(1), 64), splat(np.int16(1), 32)
-    sums = np.empty(16, np.int32)
+    sums, total = np.empty(16, np.int32), np.empty(16, np.int32)
     for h in range(_R // 16):
         g = (r0 + 16 * h) * rb
         live = 16 * h < nr
         for sb in range(k // 256):
             un = g + _K4U * sb
-            total = np.zeros(16, np.int32)
+            total[:] = 0
             for j in range(8):  # sub-block j: chunk j // 2, low or high nibbles
                 b = 8 * sb + j
                 acc = splat(i32(0), 16)
@@ -583,21 +583,21 @@ def _igemm(x, ws, qtype, out, col0, narrow):
                 xs[i] = 0
     xq4 = xq.view(np.uint32)
     if narrow:
-        xi, dxi, xoi, xsi = _by8(xq4, k // 4), _by8(dx, nb), _by8(xo, nsb), _by8(xs, nsb)
+        xi, dxi = _by8(xq4, k // 4), _by8(dx, nb)
         if kint:
             xi ^= np.uint32(0x80808080)  # + 128: unsigned, pmaddubsw's first operand
             xp = np.empty(npad * nsb // 2, np.int32)  # sub-blocks' sums of xq in int16 pairs
             for i in range(xp.size):
                 xp[i] = (xo[2 * i] & 0xFFFF) | (xo[2 * i + 1] << 16)
             xp = _by8(xp, nsb // 2)
+        else:
+            xoi, xsi = _by8(xo, nsb), _by8(xs, nsb)
     rb = ws[0].shape[1]
     m0, m1, m2, tiles = _tiles(ws, _R)
     for item in prange(tiles):
         p, col, r0, nr = _tile_at(item, m0, m1, m2, _R, col0)
         w = ws[p]
         u = np.empty(k // 4 * _R, np.uint32)
-        s = np.empty(nsb * _R, np.float32)
-        mn = np.empty(nsb * _R, np.float32)
         tmp = np.empty(k // 4 * _R, np.uint32)
         if kint:
             si, mi = np.empty(nsb * _R, np.int32), np.empty(nsb // 2 * _R, np.int32)
@@ -608,6 +608,7 @@ def _igemm(x, ws, qtype, out, col0, narrow):
             else:
                 _unpack_k8(qtype, w.reshape(-1), rb, r0, nr, k, u, si, mi, dd, dm, c0, tmp)
         else:
+            s, mn = np.empty(nsb * _R, np.float32), np.empty(nsb * _R, np.float32)
             _unpack(qtype, w.reshape(-1), rb, r0, nr, k, u, s, mn, tmp)
         res = np.empty(tt * _R, np.float32)
         for g in range(npad // tt):

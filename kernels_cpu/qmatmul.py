@@ -349,14 +349,19 @@ def _fetch_32(w, o, quad, nbytes):
     return quad(w, o)
 
 
+@njit(inline="always")
+def _dots8(small, acc, a0, b0, a1, b1):
+    """acc + dot4(a0, b0) + dot4(a1, b1) for small quants (Q4 / Q5 nibbles, < 32: without VNNI 3
+    products where the exact form takes 4 + widening), else for biased signed ones (Q8_0,
+    IQ4_NL: their bias left out where simd.PMADDUBSW_DOTS, see _acts_off)."""
+    return dot8acc_small(acc, a0, b0, a1, b1) if small else dot8acc_biased(acc, a0, b0, a1, b1)
+
+
 @njit(fastmath=True, inline="always")
 def _group_32(lo, hi, d, m, xq, xo, xd, xsum, xoff, bo, g, acc, am, has_min, small):
     """One token's share of group g (its 4 blocks unpacked: lo, hi, d, m) added to acc, am."""
     xg = xo + 128 * g
-    if small:  # Q4 / Q5 quants (< 32): without VNNI, 3 products where the exact form takes 4 + widening
-        i = dot8acc_small(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64), hi, ld(xq, xg + 64, 64))
-    else:  # Q8_0, IQ4_NL: biased signed quants (simd.PMADDUBSW_DOTS)
-        i = dot8acc_biased(ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64), hi, ld(xq, xg + 64, 64))
+    i = _dots8(small, ld(xoff, (xo >> 2) + 16 * g, 16), lo, ld(xq, xg, 64), hi, ld(xq, xg + 64, 64))
     acc = fma(cvt(i, np.float32), vmul_kept(d, _SPREAD4(ld(xd, bo + 4 * g, 4))), acc)
     if has_min:
         am = _min_32(m, xsum, bo, g, am)
@@ -531,16 +536,11 @@ def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min, small):
     chains of 4 sums of 4 on broadcast activations, in pairs (with VNNI two vpdpbusd; on AVX2 two
     pmaddubsw and a pmaddwd: simd.dot8acc_small / _biased), the first started from -off * the
     block's sum of xq (xoff), then one scale (and min) per lane."""
-    if small:  # nibbles (< 16): pairs of sums of 4 (two vpdpbusd, or pmaddubsw x 2 + pmaddwd on AVX2)
-        i = dot8acc_small(splat(at(xoff, bt), 16), v[0], _bx(xq, xo), v[1], _bx(xq, xo + 4))
-        j = dot8acc_small(splat(i32(0), 16), v[4], _bx(xq, xo + 16), v[5], _bx(xq, xo + 20))
-        i = dot8acc_small(i, v[2], _bx(xq, xo + 8), v[3], _bx(xq, xo + 12))
-        j = dot8acc_small(j, v[6], _bx(xq, xo + 24), v[7], _bx(xq, xo + 28))
-    else:  # Q8_0's bytes + 128 (the bias left to xoff, or out where simd.PMADDUBSW_DOTS)
-        i = dot8acc_biased(splat(at(xoff, bt), 16), v[0], _bx(xq, xo), v[1], _bx(xq, xo + 4))
-        j = dot8acc_biased(splat(i32(0), 16), v[4], _bx(xq, xo + 16), v[5], _bx(xq, xo + 20))
-        i = dot8acc_biased(i, v[2], _bx(xq, xo + 8), v[3], _bx(xq, xo + 12))
-        j = dot8acc_biased(j, v[6], _bx(xq, xo + 24), v[7], _bx(xq, xo + 28))
+    # (small: nibbles; else Q8_0's bytes + 128, the bias left to xoff or out: _dots8)
+    i = _dots8(small, splat(at(xoff, bt), 16), v[0], _bx(xq, xo), v[1], _bx(xq, xo + 4))
+    j = _dots8(small, splat(i32(0), 16), v[4], _bx(xq, xo + 16), v[5], _bx(xq, xo + 20))
+    i = _dots8(small, i, v[2], _bx(xq, xo + 8), v[3], _bx(xq, xo + 12))
+    j = _dots8(small, j, v[6], _bx(xq, xo + 24), v[7], _bx(xq, xo + 28))
     f = fma_kept(cvt(vadd(i, j), f32), vmul_kept(ds, splat(at(xd, bt), 16)), f)
     return fma_kept(ms, splat(at(xsum, bt), 16), f) if has_min else f
 
@@ -1005,6 +1005,16 @@ def _epilogue(y, col0, m, eps, res, post_w):
                 res[t, j] += y[t, col0 + j]
 
 
+@njit(inline="always")
+def _acts_off(qtype):
+    """The quant offset the decode products' start values take out (xoff = -off * sums of xq): the
+    type's, except for the biased types whose products leave it out themselves (simd.dot8acc_biased
+    where PMADDUBSW_DOTS)."""
+    if PMADDUBSW_DOTS and (qtype == Q8_0 or qtype == IQ4_NL or qtype == Q8_0X16):
+        return 0
+    return igemm._type_info(qtype)[0]
+
+
 @njit(cache=True, parallel=True, fastmath=True)
 def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     """Few tokens: out[:, col0 : col0 + m] = pre(x) @ [ws[0]; ws[1]; ws[2]].T, ws three weights of
@@ -1032,16 +1042,13 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
         for t in range(n):
             sl = slice(t * nb, t * nb + nb)
             _quantize_q8(xa[t], bs, xq[t * k : t * k + k], xd[sl], xsum[sl], bsum[t * (k // 16) : (t + 1) * (k // 16)])
+    off = _acts_off(qtype)
     if fam == 16:  # X16 types: activations in order, xoff = -off * each block's sum (bsum: halves)
-        off = 0 if PMADDUBSW_DOTS and qtype == Q8_0X16 else igemm._type_info(qtype)[0]
         for t in range(n):
             for b in range(nb):
                 h = t * (k // 16) + 2 * b
                 xoff[t * nb + b] = -off * (i32(bsum[h]) + i32(bsum[h + 1]))
     if fam == 32 or qtype == IQ4_XS:
-        off = igemm._type_info(qtype)[0]
-        if PMADDUBSW_DOTS and (qtype == Q8_0 or qtype == IQ4_NL):
-            off = 0  # their products leave the bias out (simd.dot8acc_biased)
         for t in range(n):
             _acts_quad(xq, off, k, t, xoff)
     if qtype == Q4_K or qtype == Q5_K:
