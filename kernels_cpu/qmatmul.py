@@ -57,6 +57,7 @@ _FLOAT_TYPES = qt.FLOAT_TYPES
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu": 3}
 PRE_NONE, PRE_NORM, PRE_SILU, PRE_GELU = 0, 1, 2, 3
 _PF = 4096  # decode: bytes of weights prefetched ahead (1024 streamed at 0.89x of 4096 in a 7B model)
+_X16_TOK = 4 if 64 in _VPDPBUSD else 2  # X16 tokens a pass (AVX2: 4 tokens' sums spill its 16 ymm)
 _PF_X16 = 8192  # the same for the X16 layouts, 2 or more tokens (4096 streamed at ~0.85x); none for one
 # Q4_KX16: 4096 ahead for 2 or more tokens (one 11008 x 4096 matrix streamed at 2 threads: 2 tokens
 # 16 -> 34 GB/s), none for one (26 with, 28-30 without, as the GGUF rows' 29-30)
@@ -94,8 +95,9 @@ def int8_prefill(qtype: int) -> bool:
     """Whether a prefill product of this type runs on int8 activations (the GEMM of igemm.py)."""
     return INT8_PREFILL and qtype not in _FLOAT_TYPES and (bool(_VPDPBUSD) or igemm.small(qtype))
 # Up to this many tokens: integer dots on rows read once (decode). Measured crossovers: ~8 tokens
-# against the float prefill tiles, ~16-24 against the int8 GEMM (which unpacks every tile first).
-SMALL_N = 15 if _VPDPBUSD else 7
+# against the float prefill tiles, ~16-24 against the int8 GEMM (which unpacks every tile first);
+# on AVX2 (11008 x 4096, 2 threads) ~13-16 against either (Q6_K's GEMM: beyond 16).
+SMALL_N = 15
 
 
 @contextlib.contextmanager
@@ -635,14 +637,14 @@ def _x16_store(out, t, c, v):
 
 @njit(fastmath=True, inline="always")
 def _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, qtype):
-    """An X16 type (layouts.py): rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, 4 at a
-    time, then 2, then 1."""
+    """An X16 type (layouts.py): rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, _X16_TOK
+    at a time, then 2, then 1."""
     nb = k // 32
     for g in range(r0, r1, 16):
         t = 0
-        while t + 4 <= n:
-            _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, 4, out, col + g)
-            t += 4
+        while t + _X16_TOK <= n:
+            _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, _X16_TOK, out, col + g)
+            t += _X16_TOK
         if t + 2 <= n:
             _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, 2, out, col + g)
             t += 2
