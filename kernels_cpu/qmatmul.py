@@ -534,17 +534,30 @@ def _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nby
 @njit(fastmath=True)
 def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min, small):
     """One token's share of a block of 16 repacked rows (v: 8 vectors of their quants as unsigned
-    bytes, v[s] at k = 4s .. 4s+3 of the block; ds, ms: 16 scales and mins) added to f: two
-    chains of 4 sums of 4 on broadcast activations, in pairs (with VNNI two vpdpbusd; on AVX2 two
-    pmaddubsw and a pmaddwd: simd.dot8acc_small / _biased), the first started from -off * the
-    block's sum of xq (xoff), then one scale (and min) per lane."""
+    bytes, v[s] at k = 4s .. 4s+3 of the block; ds, ms: 16 scales and mins) added to f: the
+    block's 8 sums of 4 on broadcast activations (_dots32), started from -off * the block's sum
+    of xq (xoff), then one scale (and min) per lane."""
     # (small: nibbles; else Q8_0's bytes + 128, the bias left to xoff or out: _dots8)
-    i = _dots8(small, splat(at(xoff, bt), 16), v[0], _bx(xq, xo), v[1], _bx(xq, xo + 4))
-    j = _dots8(small, splat(i32(0), 16), v[4], _bx(xq, xo + 16), v[5], _bx(xq, xo + 20))
-    i = _dots8(small, i, v[2], _bx(xq, xo + 8), v[3], _bx(xq, xo + 12))
-    j = _dots8(small, j, v[6], _bx(xq, xo + 24), v[7], _bx(xq, xo + 28))
-    f = fma_kept(cvt(vadd(i, j), f32), vmul_kept(ds, splat(at(xd, bt), 16)), f)
+    b0, b1, b2, b3 = _bx(xq, xo), _bx(xq, xo + 4), _bx(xq, xo + 8), _bx(xq, xo + 12)
+    b4, b5, b6, b7 = _bx(xq, xo + 16), _bx(xq, xo + 20), _bx(xq, xo + 24), _bx(xq, xo + 28)
+    i = _dots32(small, splat(at(xoff, bt), 16), v, b0, b1, b2, b3, b4, b5, b6, b7)
+    f = fma_kept(cvt(i, f32), vmul_kept(ds, splat(at(xd, bt), 16)), f)
     return fma_kept(ms, splat(at(xsum, bt), 16), f) if has_min else f
+
+
+@njit(inline="always")
+def _dots32(small, acc, v, b0, b1, b2, b3, b4, b5, b6, b7):
+    """acc + a block's sums of 4 (v: its 8 vectors of quants, b0 .. b7 the broadcast activations).
+    Nibbles on AVX2: the 8 pmaddubsw pair sums added in int16 (< 8 x 2 x 15 x 127 < 2**15), one
+    pmaddwd (one token: 5-9% faster than pairs, bench/RESULTS.md); otherwise two chains of pairs
+    (_dots8: two vpdpbusd with VNNI). Integer sums: the same bits either way. One expression: an
+    early return for this branch in _x16_token kept numba's incref / decref calls there (4x slower)."""
+    return (vadd(madd(vadd(vadd(vadd(maddubs(v[0], b0), maddubs(v[1], b1)), vadd(maddubs(v[2], b2), maddubs(v[3], b3))),
+                           vadd(vadd(maddubs(v[4], b4), maddubs(v[5], b5)), vadd(maddubs(v[6], b6), maddubs(v[7], b7)))),
+                      splat(np.int16(1), 32)), acc)
+            if small and PMADDUBSW_DOTS else
+            vadd(_dots8(small, _dots8(small, acc, v[0], b0, v[1], b1), v[2], b2, v[3], b3),
+                 _dots8(small, _dots8(small, splat(i32(0), 16), v[4], b4, v[5], b5), v[6], b6, v[7], b7)))
 
 
 @njit(inline="always")
