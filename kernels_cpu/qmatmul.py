@@ -642,6 +642,44 @@ def _x16_pair(wa, ga, wb, gb, nb, qtype, xq, k, xd, xsum, xoff, out, ca, cb):
     _x16_store(out, 0, cb, vadd(eb, ob))
 
 
+@njit(fastmath=True)
+def _x16_q8_rows8(w, o, h, r, xq, k, xd, xoff, t, nb, b, f0, f1):
+    """AVX2, Q8_0X16: f0, f1 + rows 8r .. 8r + 7 of block b (= h of the unit at byte o) for tokens
+    t and t + 1. A ymm holds 8 rows' quads: each line is loaded once and its |w| (dot4acc_biased's
+    pabsb) serves both tokens, the live registers a line and the two tokens' int32 sums (16 rows'
+    8 vectors held for the tokens spilled the 16 ymm: 0.8-0.9 ms a token for 49152 x 576, whatever
+    the batch, bench/RESULTS.md). Then _x16_token's float steps: the same bits per row."""
+    q = o + 512 * h + 32 * r
+    xo, bt = t * k + 32 * b, t * nb + b
+    i0, i1 = splat(at(xoff, bt), 8), splat(at(xoff, bt + nb), 8)
+    for s in range(0, 32, 4):
+        u = vxor(ld(w, q + 16 * s, 32), 128)  # quad s / 4 of the 8 rows as int8 + 128 (_x16_quants)
+        i0 = dot4acc_biased(i0, u, view(splat(word(xq, xo + s), 8), np.int8))
+        i1 = dot4acc_biased(i1, u, view(splat(word(xq, xo + k + s), 8), np.int8))
+    ds = h2f(view(ld(w, o + 1024 + 32 * h + 16 * r, 16), np.uint16))
+    f0 = fma_kept(cvt(i0, f32), vmul_kept(ds, splat(at(xd, bt), 8)), f0)
+    return f0, fma_kept(cvt(i1, f32), vmul_kept(ds, splat(at(xd, bt + nb), 8)), f1)
+
+
+@njit(fastmath=True, inline="always")
+def _x16_q8_pair(w, g0, nb, xq, k, xd, xoff, t, out, c):
+    """_x16_pass for Q8_0X16 on AVX2 and tokens t, t + 1, the group's rows 8 at a time
+    (_x16_q8_rows8), each row's steps in _x16_pass's order (the same bits)."""
+    z = splat(f32(0), 8)
+    a0, a1, b0, b1, c0, c1, d0, d1 = z, z, z, z, z, z, z, z  # even blocks: rows 0-7, 8-15; odd: c, d
+    for u in range(nb // 2):
+        o = g0 + 1088 * u
+        for p in range(0, 1088, 64):
+            prefetch(w, o + _PF_X16 + p)
+        a0, a1 = _x16_q8_rows8(w, o, 0, 0, xq, k, xd, xoff, t, nb, 2 * u, a0, a1)
+        b0, b1 = _x16_q8_rows8(w, o, 0, 1, xq, k, xd, xoff, t, nb, 2 * u, b0, b1)
+        c0, c1 = _x16_q8_rows8(w, o, 1, 0, xq, k, xd, xoff, t, nb, 2 * u + 1, c0, c1)
+        d0, d1 = _x16_q8_rows8(w, o, 1, 1, xq, k, xd, xoff, t, nb, 2 * u + 1, d0, d1)
+    for i in range(8):
+        out[t, c + i], out[t, c + 8 + i] = lane(vadd(a0, c0), i), lane(vadd(b0, d0), i)
+        out[t + 1, c + i], out[t + 1, c + 8 + i] = lane(vadd(a1, c1), i), lane(vadd(b1, d1), i)
+
+
 @njit(inline="always")
 def _x16_store(out, t, c, v):
     for i in range(16):
@@ -651,10 +689,14 @@ def _x16_store(out, t, c, v):
 @njit(fastmath=True, inline="always")
 def _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, qtype):
     """An X16 type (layouts.py): rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, _X16_TOK
-    at a time, then 2, then 1."""
+    at a time, then 2, then 1 (Q8_0 on AVX2: in pairs, _x16_q8_pair)."""
     nb = k // 32
+    q8 = PMADDUBSW_DOTS and qtype == Q8_0X16  # AVX2: Q8_0 in pairs of tokens, _x16_q8_pair
     for g in range(r0, r1, 16):
         t = 0
+        while q8 and t + 2 <= n:
+            _x16_q8_pair(w, g * rb, nb, xq, k, xd, xoff, t, out, col + g)
+            t += 2
         while t + _X16_TOK <= n:
             _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, _X16_TOK, out, col + g)
             t += _X16_TOK
