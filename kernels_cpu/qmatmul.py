@@ -654,8 +654,8 @@ def _x16_q8_rows8(w, o, h, r, xq, k, xd, xoff, t, nb, b, f0, f1):
     i0, i1 = splat(at(xoff, bt), 8), splat(at(xoff, bt + nb), 8)
     for s in range(0, 32, 4):
         u = vxor(ld(w, q + 16 * s, 32), 128)  # quad s / 4 of the 8 rows as int8 + 128 (_x16_quants)
-        i0 = dot4acc_biased(i0, u, view(splat(word(xq, xo + s), 8), np.int8))
-        i1 = dot4acc_biased(i1, u, view(splat(word(xq, xo + k + s), 8), np.int8))
+        i0 = dot4acc_biased(i0, u, _bx8(xq, xo + s))
+        i1 = dot4acc_biased(i1, u, _bx8(xq, xo + k + s))
     ds = h2f(view(ld(w, o + 1024 + 32 * h + 16 * r, 16), np.uint16))
     f0 = fma_kept(cvt(i0, f32), vmul_kept(ds, splat(at(xd, bt), 8)), f0)
     return f0, fma_kept(cvt(i1, f32), vmul_kept(ds, splat(at(xd, bt + nb), 8)), f1)
@@ -744,7 +744,7 @@ def _x16_store(out, t, c, v):
 @njit(fastmath=True, inline="always")
 def _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, qtype):
     """An X16 type (layouts.py): rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, _X16_TOK
-    at a time, then 2, then 1 (Q8_0 on AVX2: in pairs, _x16_q8_pair)."""
+    at a time, then 2, then 1 (on AVX2 first Q8_0 in pairs, _x16_q8_pair; Q4_0 in fours, _x16_q4_quad)."""
     nb = k // 32
     q8 = PMADDUBSW_DOTS and qtype == Q8_0X16  # AVX2: Q8_0 in pairs of tokens, _x16_q8_pair
     q4 = PMADDUBSW_DOTS and qtype == Q4_0X16  # AVX2: Q4_0 in fours, _x16_q4_quad
