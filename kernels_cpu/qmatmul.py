@@ -649,14 +649,15 @@ def _x16_q8_rows8(w, o, h, r, xq, k, xd, xoff, t, nb, b, f0, f1):
     pabsb) serves both tokens, the live registers a line and the two tokens' int32 sums (16 rows'
     8 vectors held for the tokens spilled the 16 ymm: 0.8-0.9 ms a token for 49152 x 576, whatever
     the batch, bench/RESULTS.md). Then _x16_token's float steps: the same bits per row."""
-    q = o + 512 * h + 32 * r
+    qb = x16_geometry(Q8_0X16)[0]
+    q = o + 16 * qb * h + 32 * r
     xo, bt = t * k + 32 * b, t * nb + b
     i0, i1 = splat(at(xoff, bt), 8), splat(at(xoff, bt + nb), 8)
     for s in range(0, 32, 4):
         u = vxor(ld(w, q + 16 * s, 32), 128)  # quad s / 4 of the 8 rows as int8 + 128 (_x16_quants)
         i0 = dot4acc_biased(i0, u, _bx8(xq, xo + s))
         i1 = dot4acc_biased(i1, u, _bx8(xq, xo + k + s))
-    ds = h2f(view(ld(w, o + 1024 + 32 * h + 16 * r, 16), np.uint16))
+    ds = h2f(view(ld(w, o + 32 * qb + 32 * h + 16 * r, 16), np.uint16))
     f0 = fma_kept(cvt(i0, f32), vmul_kept(ds, splat(at(xd, bt), 8)), f0)
     return f0, fma_kept(cvt(i1, f32), vmul_kept(ds, splat(at(xd, bt + nb), 8)), f1)
 
@@ -665,11 +666,12 @@ def _x16_q8_rows8(w, o, h, r, xq, k, xd, xoff, t, nb, b, f0, f1):
 def _x16_q8_pair(w, g0, nb, xq, k, xd, xoff, t, out, c):
     """_x16_pass for Q8_0X16 on AVX2 and tokens t, t + 1, the group's rows 8 at a time
     (_x16_q8_rows8), each row's steps in _x16_pass's order (the same bits)."""
+    unit = x16_geometry(Q8_0X16)[1]
     z = splat(f32(0), 8)
     a0, a1, b0, b1, c0, c1, d0, d1 = z, z, z, z, z, z, z, z  # even blocks: rows 0-7, 8-15; odd: c, d
     for u in range(nb // 2):
-        o = g0 + 1088 * u
-        for p in range(0, 1088, 64):
+        o = g0 + unit * u
+        for p in range(0, unit, 64):
             prefetch(w, o + _PF_X16 + p)
         a0, a1 = _x16_q8_rows8(w, o, 0, 0, xq, k, xd, xoff, t, nb, 2 * u, a0, a1)
         b0, b1 = _x16_q8_rows8(w, o, 0, 1, xq, k, xd, xoff, t, nb, 2 * u, b0, b1)
@@ -686,11 +688,12 @@ def _x16_q4_rows8(w, o, h, r, xq, k, xd, xoff, t, nb, b, f0, f1, f2, f3):
     tokens t .. t + 3: the block's 8 unpacked ymm (8 rows each) held for the 4 tokens, each
     token's pmaddubsw added in int16 and one pmaddwd (as _dots32), then _x16_token's float steps:
     the same bits per row."""
-    q = o + 256 * h + 32 * r
+    qb = x16_geometry(Q4_0X16)[0]
+    q = o + 16 * qb * h + 32 * r
     u0, u1, u2, u3 = ld(w, q, 32), ld(w, q + 64, 32), ld(w, q + 128, 32), ld(w, q + 192, 32)
     v0, v1, v2, v3 = vand(u0, 15), vand(u1, 15), vand(u2, 15), vand(u3, 15)
     v4, v5, v6, v7 = _hi4(u0), _hi4(u1), _hi4(u2), _hi4(u3)
-    ds = h2f(view(ld(w, o + 512 + 32 * h + 16 * r, 16), np.uint16))
+    ds = h2f(view(ld(w, o + 32 * qb + 32 * h + 16 * r, 16), np.uint16))
     xo, bt = t * k + 32 * b, t * nb + b
     f0 = _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, xq, xo, xd, xoff, bt, f0)
     f1 = _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, xq, xo + k, xd, xoff, bt + nb, f1)
@@ -717,12 +720,13 @@ def _bx8(xq, i):
 def _x16_q4_quad(w, g0, nb, xq, k, xd, xoff, t, out, c):
     """_x16_pass for Q4_0X16 on AVX2 and tokens t .. t + 3, the group's rows 8 at a time
     (_x16_q4_rows8), each row's steps in _x16_pass's order (the same bits)."""
+    unit = x16_geometry(Q4_0X16)[1]
     z = splat(f32(0), 8)
     a0, a1, a2, a3, b0, b1, b2, b3 = z, z, z, z, z, z, z, z  # even blocks: rows 0-7, 8-15
     c0, c1, c2, c3, d0, d1, d2, d3 = z, z, z, z, z, z, z, z  # odd blocks
     for u in range(nb // 2):
-        o = g0 + 576 * u
-        for p in range(0, 576, 64):
+        o = g0 + unit * u
+        for p in range(0, unit, 64):
             prefetch(w, o + _PF_X16 + p)
         a0, a1, a2, a3 = _x16_q4_rows8(w, o, 0, 0, xq, k, xd, xoff, t, nb, 2 * u, a0, a1, a2, a3)
         b0, b1, b2, b3 = _x16_q4_rows8(w, o, 0, 1, xq, k, xd, xoff, t, nb, 2 * u, b0, b1, b2, b3)
