@@ -682,32 +682,38 @@ def _x16_q8_pair(w, g0, nb, xq, k, xd, xoff, t, out, c):
         out[t + 1, c + i], out[t + 1, c + 8 + i] = lane(vadd(a1, c1), i), lane(vadd(b1, d1), i)
 
 
-@njit(fastmath=True)
-def _x16_q4_rows8(w, o, h, r, xq, k, xd, xoff, t, nb, b, f0, f1, f2, f3):
-    """AVX2, Q4_0X16: f0 .. f3 + rows 8r .. 8r + 7 of block b (= h of the unit at byte o) for
-    tokens t .. t + 3: the block's 8 unpacked ymm (8 rows each) held for the 4 tokens, each
-    token's pmaddubsw added in int16 and one pmaddwd (as _dots32), then _x16_token's float steps:
-    the same bits per row."""
-    qb = x16_geometry(Q4_0X16)[0]
+@njit(fastmath=True, inline="always")
+def _x16_nib_rows8(w, o, h, r, has_min, xq, k, xd, xsum, xoff, t, nb, b, f0, f1, f2, f3):
+    """AVX2, Q4_0X16 / Q4_1X16 (has_min): f0 .. f3 + rows 8r .. 8r + 7 of block b (= h of the unit
+    at byte o) for tokens t .. t + 3: the block's 8 unpacked ymm (8 rows each) held for the 4
+    tokens, each token's pmaddubsw added in int16 and one pmaddwd (as _dots32), then _x16_token's
+    float steps: the same bits per row."""
+    qb = x16_geometry(Q4_0X16)[0]  # (Q4_1X16's too)
     q = o + 16 * qb * h + 32 * r
     u0, u1, u2, u3 = ld(w, q, 32), ld(w, q + 64, 32), ld(w, q + 128, 32), ld(w, q + 192, 32)
     v0, v1, v2, v3 = vand(u0, 15), vand(u1, 15), vand(u2, 15), vand(u3, 15)
     v4, v5, v6, v7 = _hi4(u0), _hi4(u1), _hi4(u2), _hi4(u3)
-    ds = h2f(view(ld(w, o + 32 * qb + 32 * h + 16 * r, 16), np.uint16))
+    sc = o + 32 * qb + 32 * h + 16 * r
+    ds = h2f(view(ld(w, sc, 16), np.uint16))
+    ms = h2f(view(ld(w, sc + 64, 16), np.uint16)) if has_min else ds
     xo, bt = t * k + 32 * b, t * nb + b
-    f0 = _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, xq, xo, xd, xoff, bt, f0)
-    f1 = _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, xq, xo + k, xd, xoff, bt + nb, f1)
-    f2 = _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, xq, xo + 2 * k, xd, xoff, bt + 2 * nb, f2)
-    return f0, f1, f2, _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, xq, xo + 3 * k, xd, xoff, bt + 3 * nb, f3)
+    f0 = _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, ms, has_min, xq, xo, xd, xsum, xoff, bt, f0)
+    f1 = _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, ms, has_min, xq, xo + k, xd, xsum, xoff, bt + nb, f1)
+    f2 = _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, ms, has_min, xq, xo + 2 * k, xd, xsum, xoff, bt + 2 * nb,
+                      f2)
+    return f0, f1, f2, _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, ms, has_min, xq, xo + 3 * k, xd, xsum, xoff,
+                                    bt + 3 * nb, f3)
 
 
 @njit(fastmath=True, inline="always")
-def _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, xq, xo, xd, xoff, bt, f):
+def _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, ms, has_min, xq, xo, xd, xsum, xoff, bt, f):
     a = vadd(vadd(maddubs(v0, _bx8(xq, xo)), maddubs(v1, _bx8(xq, xo + 4))), maddubs(v2, _bx8(xq, xo + 8)))
     a = vadd(vadd(a, maddubs(v3, _bx8(xq, xo + 12))), maddubs(v4, _bx8(xq, xo + 16)))
     a = vadd(vadd(a, maddubs(v5, _bx8(xq, xo + 20))), maddubs(v6, _bx8(xq, xo + 24)))
-    i = vadd(madd(vadd(a, maddubs(v7, _bx8(xq, xo + 28))), splat(i16(1), 16)), splat(at(xoff, bt), 8))
-    return fma_kept(cvt(i, f32), vmul_kept(ds, splat(at(xd, bt), 8)), f)
+    i = madd(vadd(a, maddubs(v7, _bx8(xq, xo + 28))), splat(i16(1), 16))
+    i = i if has_min else vadd(i, splat(at(xoff, bt), 8))  # (Q4_1's xoff is 0)
+    f = fma_kept(cvt(i, f32), vmul_kept(ds, splat(at(xd, bt), 8)), f)
+    return fma_kept(ms, splat(at(xsum, bt), 8), f) if has_min else f
 
 
 @njit(inline="always")
@@ -717,26 +723,30 @@ def _bx8(xq, i):
 
 
 @njit(fastmath=True, inline="always")
-def _x16_q4_quad(w, g0, nb, xq, k, xd, xoff, t, out, c):
-    """_x16_pass for Q4_0X16 on AVX2 and tokens t .. t + 3, the group's rows 8 at a time
-    (_x16_q4_rows8), each row's steps in _x16_pass's order (the same bits)."""
-    unit = x16_geometry(Q4_0X16)[1]
+def _x16_nib_quads(w, g0, nb, has_min, xq, k, xd, xsum, xoff, n, out, c):
+    """_x16_pass for Q4_0X16 / Q4_1X16 on AVX2 and tokens 0 .. n - 1 in fours (n a multiple of 4),
+    the group's rows 8 at a time (_x16_nib_rows8), each row's steps in _x16_pass's order (the same
+    bits)."""
+    unit = x16_geometry(Q4_1X16 if has_min else Q4_0X16)[1]
     z = splat(f32(0), 8)
-    a0, a1, a2, a3, b0, b1, b2, b3 = z, z, z, z, z, z, z, z  # even blocks: rows 0-7, 8-15
-    c0, c1, c2, c3, d0, d1, d2, d3 = z, z, z, z, z, z, z, z  # odd blocks
-    for u in range(nb // 2):
-        o = g0 + unit * u
-        for p in range(0, unit, 64):
-            prefetch(w, o + _PF_X16 + p)
-        a0, a1, a2, a3 = _x16_q4_rows8(w, o, 0, 0, xq, k, xd, xoff, t, nb, 2 * u, a0, a1, a2, a3)
-        b0, b1, b2, b3 = _x16_q4_rows8(w, o, 0, 1, xq, k, xd, xoff, t, nb, 2 * u, b0, b1, b2, b3)
-        c0, c1, c2, c3 = _x16_q4_rows8(w, o, 1, 0, xq, k, xd, xoff, t, nb, 2 * u + 1, c0, c1, c2, c3)
-        d0, d1, d2, d3 = _x16_q4_rows8(w, o, 1, 1, xq, k, xd, xoff, t, nb, 2 * u + 1, d0, d1, d2, d3)
-    for i in range(8):
-        out[t, c + i], out[t, c + 8 + i] = lane(vadd(a0, c0), i), lane(vadd(b0, d0), i)
-        out[t + 1, c + i], out[t + 1, c + 8 + i] = lane(vadd(a1, c1), i), lane(vadd(b1, d1), i)
-        out[t + 2, c + i], out[t + 2, c + 8 + i] = lane(vadd(a2, c2), i), lane(vadd(b2, d2), i)
-        out[t + 3, c + i], out[t + 3, c + 8 + i] = lane(vadd(a3, c3), i), lane(vadd(b3, d3), i)
+    for t in range(0, n, 4):
+        a0, a1, a2, a3, b0, b1, b2, b3 = z, z, z, z, z, z, z, z  # even blocks: rows 0-7, 8-15
+        c0, c1, c2, c3, d0, d1, d2, d3 = z, z, z, z, z, z, z, z  # odd blocks
+        for u in range(nb // 2):
+            o = g0 + unit * u
+            for p in range(0, unit, 64):
+                prefetch(w, o + _PF_X16 + p)
+            a0, a1, a2, a3 = _x16_nib_rows8(w, o, 0, 0, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u, a0, a1, a2, a3)
+            b0, b1, b2, b3 = _x16_nib_rows8(w, o, 0, 1, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u, b0, b1, b2, b3)
+            c0, c1, c2, c3 = _x16_nib_rows8(w, o, 1, 0, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u + 1, c0, c1, c2,
+                                            c3)
+            d0, d1, d2, d3 = _x16_nib_rows8(w, o, 1, 1, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u + 1, d0, d1, d2,
+                                            d3)
+        for i in range(8):
+            out[t, c + i], out[t, c + 8 + i] = lane(vadd(a0, c0), i), lane(vadd(b0, d0), i)
+            out[t + 1, c + i], out[t + 1, c + 8 + i] = lane(vadd(a1, c1), i), lane(vadd(b1, d1), i)
+            out[t + 2, c + i], out[t + 2, c + 8 + i] = lane(vadd(a2, c2), i), lane(vadd(b2, d2), i)
+            out[t + 3, c + i], out[t + 3, c + 8 + i] = lane(vadd(a3, c3), i), lane(vadd(b3, d3), i)
 
 
 @njit(inline="always")
@@ -748,18 +758,19 @@ def _x16_store(out, t, c, v):
 @njit(fastmath=True, inline="always")
 def _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, qtype):
     """An X16 type (layouts.py): rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, _X16_TOK
-    at a time, then 2, then 1 (on AVX2 first Q8_0 in pairs, _x16_q8_pair; Q4_0 in fours, _x16_q4_quad)."""
+    at a time, then 2, then 1 (on AVX2 first Q8_0 in pairs, _x16_q8_pair; Q4_0 and Q4_1 in fours,
+    _x16_nib_quads)."""
     nb = k // 32
     q8 = PMADDUBSW_DOTS and qtype == Q8_0X16  # AVX2: Q8_0 in pairs of tokens, _x16_q8_pair
-    q4 = PMADDUBSW_DOTS and qtype == Q4_0X16  # AVX2: Q4_0 in fours, _x16_q4_quad
+    q4 = PMADDUBSW_DOTS and n >= 4 and qtype != Q8_0X16  # AVX2: Q4_0 / Q4_1 in fours, _x16_nib_quads
     for g in range(r0, r1, 16):
         t = 0
         while q8 and t + 2 <= n:
             _x16_q8_pair(w, g * rb, nb, xq, k, xd, xoff, t, out, col + g)
             t += 2
-        while q4 and t + 4 <= n:
-            _x16_q4_quad(w, g * rb, nb, xq, k, xd, xoff, t, out, col + g)
-            t += 4
+        if q4:
+            t = n - n % 4
+            _x16_nib_quads(w, g * rb, nb, qtype == Q4_1X16, xq, k, xd, xsum, xoff, t, out, col + g)
         while t + _X16_TOK <= n:
             _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, _X16_TOK, out, col + g)
             t += _X16_TOK
