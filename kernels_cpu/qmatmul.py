@@ -552,12 +552,19 @@ def _dots32(small, acc, v, b0, b1, b2, b3, b4, b5, b6, b7):
     pmaddwd (one token: 5-9% faster than pairs, bench/RESULTS.md); otherwise two chains of pairs
     (_dots8: two vpdpbusd with VNNI). Integer sums: the same bits either way. One expression: an
     early return for this branch in _x16_token kept numba's incref / decref calls there (4x slower)."""
-    return (vadd(madd(vadd(vadd(vadd(maddubs(v[0], b0), maddubs(v[1], b1)), vadd(maddubs(v[2], b2), maddubs(v[3], b3))),
-                           vadd(vadd(maddubs(v[4], b4), maddubs(v[5], b5)), vadd(maddubs(v[6], b6), maddubs(v[7], b7)))),
+    return (vadd(madd(_sum16(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], b0, b1, b2, b3, b4, b5, b6, b7),
                       splat(np.int16(1), 32)), acc)
             if small and PMADDUBSW_DOTS else
             vadd(_dots8(small, _dots8(small, acc, v[0], b0, v[1], b1), v[2], b2, v[3], b3),
                  _dots8(small, _dots8(small, splat(i32(0), 16), v[4], b4, v[5], b5), v[6], b6, v[7], b7)))
+
+
+@njit(inline="always")
+def _sum16(v0, v1, v2, v3, v4, v5, v6, v7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """AVX2: the 8 pmaddubsw of nibbles v_s (unsigned, < 16) and activations b_s added in int16
+    (exact: 8 x 2 x 15 x 127 < 2**15), for _dots32 and _x16_q4_tok8."""
+    return vadd(vadd(vadd(maddubs(v0, b0), maddubs(v1, b1)), vadd(maddubs(v2, b2), maddubs(v3, b3))),
+                vadd(vadd(maddubs(v4, b4), maddubs(v5, b5)), vadd(maddubs(v6, b6), maddubs(v7, b7))))
 
 
 @njit(inline="always")
@@ -677,9 +684,8 @@ def _x16_q8_pair(w, g0, nb, xq, k, xd, xoff, t, out, c):
         b0, b1 = _x16_q8_rows8(w, o, 0, 1, xq, k, xd, xoff, t, nb, 2 * u, b0, b1)
         c0, c1 = _x16_q8_rows8(w, o, 1, 0, xq, k, xd, xoff, t, nb, 2 * u + 1, c0, c1)
         d0, d1 = _x16_q8_rows8(w, o, 1, 1, xq, k, xd, xoff, t, nb, 2 * u + 1, d0, d1)
-    for i in range(8):
-        out[t, c + i], out[t, c + 8 + i] = lane(vadd(a0, c0), i), lane(vadd(b0, d0), i)
-        out[t + 1, c + i], out[t + 1, c + 8 + i] = lane(vadd(a1, c1), i), lane(vadd(b1, d1), i)
+    _x16_store8(out, t, c, vadd(a0, c0), vadd(b0, d0))
+    _x16_store8(out, t + 1, c, vadd(a1, c1), vadd(b1, d1))
 
 
 @njit(fastmath=True, inline="always")
@@ -707,10 +713,9 @@ def _x16_nib_rows8(w, o, h, r, has_min, xq, k, xd, xsum, xoff, t, nb, b, f0, f1,
 
 @njit(fastmath=True, inline="always")
 def _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, ms, has_min, xq, xo, xd, xsum, xoff, bt, f):
-    a = vadd(vadd(maddubs(v0, _bx8(xq, xo)), maddubs(v1, _bx8(xq, xo + 4))), maddubs(v2, _bx8(xq, xo + 8)))
-    a = vadd(vadd(a, maddubs(v3, _bx8(xq, xo + 12))), maddubs(v4, _bx8(xq, xo + 16)))
-    a = vadd(vadd(a, maddubs(v5, _bx8(xq, xo + 20))), maddubs(v6, _bx8(xq, xo + 24)))
-    i = madd(vadd(a, maddubs(v7, _bx8(xq, xo + 28))), splat(i16(1), 16))
+    i = madd(_sum16(v0, v1, v2, v3, v4, v5, v6, v7, _bx8(xq, xo), _bx8(xq, xo + 4), _bx8(xq, xo + 8),
+                    _bx8(xq, xo + 12), _bx8(xq, xo + 16), _bx8(xq, xo + 20), _bx8(xq, xo + 24), _bx8(xq, xo + 28)),
+             splat(i16(1), 16))
     i = i if has_min else vadd(i, splat(at(xoff, bt), 8))  # (Q4_1's xoff is 0)
     f = fma_kept(cvt(i, f32), vmul_kept(ds, splat(at(xd, bt), 8)), f)
     return fma_kept(ms, splat(at(xsum, bt), 8), f) if has_min else f
@@ -742,17 +747,23 @@ def _x16_nib_quads(w, g0, nb, has_min, xq, k, xd, xsum, xoff, n, out, c):
                                             c3)
             d0, d1, d2, d3 = _x16_nib_rows8(w, o, 1, 1, has_min, xq, k, xd, xsum, xoff, t, nb, 2 * u + 1, d0, d1, d2,
                                             d3)
-        for i in range(8):
-            out[t, c + i], out[t, c + 8 + i] = lane(vadd(a0, c0), i), lane(vadd(b0, d0), i)
-            out[t + 1, c + i], out[t + 1, c + 8 + i] = lane(vadd(a1, c1), i), lane(vadd(b1, d1), i)
-            out[t + 2, c + i], out[t + 2, c + 8 + i] = lane(vadd(a2, c2), i), lane(vadd(b2, d2), i)
-            out[t + 3, c + i], out[t + 3, c + 8 + i] = lane(vadd(a3, c3), i), lane(vadd(b3, d3), i)
+        _x16_store8(out, t, c, vadd(a0, c0), vadd(b0, d0))
+        _x16_store8(out, t + 1, c, vadd(a1, c1), vadd(b1, d1))
+        _x16_store8(out, t + 2, c, vadd(a2, c2), vadd(b2, d2))
+        _x16_store8(out, t + 3, c, vadd(a3, c3), vadd(b3, d3))
 
 
 @njit(inline="always")
 def _x16_store(out, t, c, v):
     for i in range(16):
         out[t, c + i] = lane(v, i)
+
+
+@njit(inline="always")
+def _x16_store8(out, t, c, lo, hi):
+    """out[t, c : c + 16] = a group's rows 0-7 (lo) and 8-15 (hi), 8-lane halves (AVX2 forms)."""
+    for i in range(8):
+        out[t, c + i], out[t, c + 8 + i] = lane(lo, i), lane(hi, i)
 
 
 @njit(fastmath=True, inline="always")
