@@ -131,19 +131,17 @@ def decode_weight_bytes(f) -> int:
     return total
 
 
-def decode_arrays(model) -> list[np.ndarray]:
-    """The weight arrays a decode step of `model` reads, each once, as its CPU backend holds them
-    (GGUF rows mapped, or a repacked copy): every layer's matrices and the output matrix, not the
-    embedding table (one row a token) unless the output is tied to it."""
+def decode_weights(model) -> list:
+    """The matrices (qmatmul.QWeight) a decode step of `model` calls, in its order, as its CPU
+    backend holds them: every layer's and the output's, not the embedding table (one row a token)
+    unless the output is tied to it."""
     from .kernels_cpu.qmatmul import QWeight
 
-    seen: dict[int, np.ndarray] = {}
+    found: list[QWeight] = []
 
     def visit(v) -> None:
         if isinstance(v, QWeight):
-            for a in v.ws:
-                if a.size:
-                    seen.setdefault(id(a), a)
+            found.append(v)
         elif isinstance(v, (tuple, list)):
             for x in v:
                 visit(x)
@@ -153,6 +151,17 @@ def decode_arrays(model) -> list[np.ndarray]:
 
     visit(model.layers)
     visit(model.output)
+    return found
+
+
+def decode_arrays(model) -> list[np.ndarray]:
+    """The weight arrays a decode step of `model` reads, each once (decode_weights' parts: GGUF
+    rows mapped, or a repacked copy)."""
+    seen: dict[int, np.ndarray] = {}
+    for w in decode_weights(model):
+        for a in w.ws:
+            if a.size:
+                seen.setdefault(id(a), a)
     return list(seen.values())
 
 
