@@ -913,6 +913,56 @@ def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
         _x16_store(out, t + 3, c, f3)
 
 
+@njit(fastmath=True, inline="always")
+def _k4_half(w, q, xq, xo, i, j):
+    """i, j + the low and high nibbles' sums of 4 of 4 lines of a Q4_KX16 chunk at q (a half: lines
+    0-3 with the chunk's activations at xo, or 4-7 at xo + 16)."""
+    v0, v1, v2, v3 = ld(w, q, 64), ld(w, q + 64, 64), ld(w, q + 128, 64), ld(w, q + 192, 64)
+    i = dot8acc_small(i, vand(v0, 15), _bx(xq, xo), vand(v2, 15), _bx(xq, xo + 8))
+    j = dot8acc_small(j, _hi4(v0), _bx(xq, xo + 32), _hi4(v2), _bx(xq, xo + 40))
+    i = dot8acc_small(i, vand(v1, 15), _bx(xq, xo + 4), vand(v3, 15), _bx(xq, xo + 12))
+    return i, dot8acc_small(j, _hi4(v1), _bx(xq, xo + 36), _hi4(v3), _bx(xq, xo + 44))
+
+
+@njit(fastmath=True, inline="always")
+def _k4_scales32(w, u):
+    """The Q4_KX16 unit at byte u's 8 sub-block scales as int32 x 16 each, and its mins (k4x16_scales)."""
+    sc03, sc47, m03, m47 = k4x16_scales(w, u)
+    return (cvt(_SUB0(sc03), i32), cvt(_SUB1(sc03), i32), cvt(_SUB2(sc03), i32), cvt(_SUB3(sc03), i32),
+            cvt(_SUB0(sc47), i32), cvt(_SUB1(sc47), i32), cvt(_SUB2(sc47), i32), cvt(_SUB3(sc47), i32)), m03, m47
+
+
+@njit(fastmath=True, inline="always")
+def _k4x16_pair(wa, ga, wb, gb, nsb, xq, k, xd, bsum, out, ca, cb):
+    """One token on two Q4_KX16 groups at once (at byte ga of wa, gb of wb), taking turns every
+    half chunk (4 lines, 256 bytes) as _x16_pair's half blocks: one thread, 11008 x 4096 streamed,
+    21.9 GB/s against 16.9 one group at a time and a plain read's 24.6 (turns of a chunk or a
+    unit ran slower than one group: bench/RESULTS.md). Integer sums exact in any order, the
+    floats in _k4x16_pass's: the same bits."""
+    z = splat(f32(0), 16)
+    zi = splat(i32(0), 16)
+    fa, fb = z, z
+    for b in range(nsb):
+        ua, ub = ga + _K4U * b, gb + _K4U * b
+        sa, ma03, ma47 = _k4_scales32(wa, ua)
+        sb, mb03, mb47 = _k4_scales32(wb, ub)
+        aa, ab = zi, zi
+        for ch in range(4):
+            xo = 256 * b + 64 * ch
+            ia, ja = _k4_half(wa, ua + _K4Q + 512 * ch, xq, xo, zi, zi)
+            ib, jb = _k4_half(wb, ub + _K4Q + 512 * ch, xq, xo, zi, zi)
+            ia, ja = _k4_half(wa, ua + _K4Q + 512 * ch + 256, xq, xo + 16, ia, ja)
+            ib, jb = _k4_half(wb, ub + _K4Q + 512 * ch + 256, xq, xo + 16, ib, jb)
+            aa = vadd(aa, vadd(vmul(ia, sa[2 * ch]), vmul(ja, sa[2 * ch + 1])))
+            ab = vadd(ab, vadd(vmul(ib, sb[2 * ch]), vmul(jb, sb[2 * ch + 1])))
+        fa = _k4_finish(aa, ma03, ma47, h2f(view(ld(wa, ua + _K4D, 32), np.uint16)),
+                        h2f(view(ld(wa, ua + _K4D + 32, 32), np.uint16)), at(xd, b), bsum, 16 * b, fa)
+        fb = _k4_finish(ab, mb03, mb47, h2f(view(ld(wb, ub + _K4D, 32), np.uint16)),
+                        h2f(view(ld(wb, ub + _K4D + 32, 32), np.uint16)), at(xd, b), bsum, 16 * b, fb)
+    _x16_store(out, 0, ca, fa)
+    _x16_store(out, 0, cb, fb)
+
+
 @njit(fastmath=True)
 def _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
     """Q4_KX16 rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, 4 at a time, then one by
@@ -1028,10 +1078,12 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
 
 
 @njit(fastmath=True)
-def _dot_pair(qtype, wa, ra, wb, r2, rb, k, xq, xd, xsum, xoff, out, ca, cb):
-    """One token, two groups of 16 rows of an X16 type at once (_x16_pair): rows ra.. of wa to
-    columns ca + ra.., rows r2.. of wb to cb + r2.. (rb bytes a row)."""
-    if qtype == Q4_0X16:
+def _dot_pair(qtype, wa, ra, wb, r2, rb, k, xq, xd, xsum, bsum, xoff, out, ca, cb):
+    """One token, two groups of 16 rows of an X16 type at once (_x16_pair, _k4x16_pair): rows ra..
+    of wa to columns ca + ra.., rows r2.. of wb to cb + r2.. (rb bytes a row)."""
+    if qtype == Q4_KX16:
+        _k4x16_pair(wa, ra * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, ca + ra, cb + r2)
+    elif qtype == Q4_0X16:
         _x16_pair(wa, ra * rb, wb, r2 * rb, k // 32, Q4_0X16, xq, k, xd, xsum, xoff, out, ca + ra, cb + r2)
     elif qtype == Q4_1X16:
         _x16_pair(wa, ra * rb, wb, r2 * rb, k // 32, Q4_1X16, xq, k, xd, xsum, xoff, out, ca + ra, cb + r2)
@@ -1201,14 +1253,15 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     # One token of a repacked type: work item i is tiles i and i + half, a group of each in turn,
     # so a thread (OpenMP hands each a run of items) streams two runs of the weights at once: the
     # hardware prefetcher keeps more lines in flight for two streams than for one (11008 x 4096
-    # Q4_0, 2 threads: ~50 vs ~44 GB/s where a plain read gives ~53; bench/RESULTS.md).
-    half = (tiles + 1) // 2 if n == 1 and qtype > X16 and qtype != Q4_KX16 else tiles
+    # Q4_0, 2 threads: ~50 vs ~44 GB/s where a plain read gives ~53; bench/RESULTS.md), when
+    # they take turns every 256 bytes or so (Q4_KX16: _k4x16_pair).
+    half = (tiles + 1) // 2 if n == 1 and qtype > X16 else tiles
     for item in prange(half):
         p, col, r0, nr = _tile_at(item, m0, m1, m2, _CHUNK, col0)
         if half < tiles and item + half < tiles:
             p2, col2, r2, _ = _tile_at(item + half, m0, m1, m2, _CHUNK, col0)
             wa, wb = ws[p], ws[p2]
-            _dot_pair(qtype, wa.reshape(-1), r0, wb.reshape(-1), r2, rb, k, xq, xd, xsum, xoff, out, col, col2)
+            _dot_pair(qtype, wa.reshape(-1), r0, wb.reshape(-1), r2, rb, k, xq, xd, xsum, bsum, xoff, out, col, col2)
         else:
             w = ws[p]
             _dot_rows(qtype, w.reshape(-1), rb, r0, r0 + nr, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
