@@ -1,5 +1,5 @@
 """Where a decode token's time goes against the memory bus: a whole decode step, the same step's
-weight matrices alone (each one-token `_qmatvec` call back to back, in the model's order, per
+weight matrices alone (each one-token `qmatmul.run` call back to back, in the model's order, per
 weight type), and a plain read of each type's arrays (kernels_cpu.membw.read_pass), round by
 round so that each figure has its ceiling beside it on a host whose bandwidth moves.
 
@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from edgekv.bench import decode_weights
+from edgekv.errors import EdgekvError
 from edgekv.kernels_cpu import qmatmul as qm
 from edgekv.kernels_cpu.layouts import X16
 from edgekv.kernels_cpu.membw import read_pass
@@ -37,7 +38,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    llm = LLM(args.model, n_ctx=256, kv="f16", threads=args.threads)
+    try:
+        llm = LLM(args.model, n_ctx=256, kv="f16", threads=args.threads)
+    except EdgekvError as e:  # one line, as the CLI's
+        raise SystemExit(f"decode_split: {e}") from None
     qws = decode_weights(llm.model)
     rng = np.random.default_rng(0)
     xs = {q.k: rng.standard_normal((1, q.k), dtype=np.float32) for q in qws}
@@ -59,7 +63,7 @@ def main() -> None:
         spent: dict[int, float] = collections.defaultdict(float)
         for q, o in zip(qws, outs):
             t0 = time.perf_counter()
-            qm._qmatvec(xs[q.k], q.ws, q.qtype, o, 0, 0, qm._NONE1, 1e-6, qm._NONE2, qm._NONE1)
+            qm.run(q, xs[q.k], o, 0, qm.PRE_NONE, qm._NONE1, 1e-6, qm._NONE2, qm._NONE1)  # the backend's call
             spent[q.qtype] += time.perf_counter() - t0
         step = float(np.median(steps))
         line = f"step {step * 1e3:.1f} ms ({total / step / 1e9:.1f} GB/s) | matrices {sum(spent.values()) * 1e3:.1f} ms"
