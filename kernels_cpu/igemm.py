@@ -35,8 +35,8 @@ import numpy as np
 from numba import njit, prange
 
 from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
-from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, X16, _K4D, _K4Q, _K4U, _each_block,
-                      k4x16_field, x16_geometry, _tile_at, _tiles)
+from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q6_KX16, Q8_0, X16, _K4D, _K4Q, _K4U, _NB_Q6_K,
+                      _OFF_Q6_K, _each_block, _quants_k6x16, _scales_k6x16, k4x16_field, x16_geometry, _tile_at, _tiles)
 from .simd import (_VPDPBUSD, at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, madd, maddubs, shuffler, splat, st,
                    vadd, vand, view, vmul, vshr, vsub, vxor)
 
@@ -89,7 +89,7 @@ def narrow(qtype: int) -> bool:
 
 def q8_k(qtype: int) -> bool:
     """Whether _igemm quantizes the activations per 256 for this type (_tile8k's K types)."""
-    return narrow(qtype) and (Q2_K <= qtype <= Q6_K or qtype == Q4_KX16)
+    return narrow(qtype) and (Q2_K <= qtype <= Q6_K or qtype == Q4_KX16 or qtype == Q6_KX16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,8 +243,13 @@ def _not_k(a, block, nbytes):
 
 @njit(fastmath=True)
 def _unpack_k8(qtype, w, rb, r0, nr, k, u, si, mi, dd, dm, c0, tmp):
-    """The tile's rows of a K type for _tile8k (_unpack_kint), transposed into u as _unpack's."""
-    _each_block(qtype, _not_k, _unpack_kint, (w, rb, r0, nr, k, tmp, si, mi, dd, dm, c0))
+    """The tile's rows of a K type for _tile8k (_unpack_kint), transposed into u as _unpack's
+    (Q6_KX16: its rows through the GGUF decoders, layouts._k6x16_at)."""
+    if qtype == Q6_KX16:
+        _unpack_kint(((w, rb), rb, r0, nr, k, tmp, si, mi, dd, dm, c0), _scales_k6x16, _quants_k6x16, _NB_Q6_K,
+                     _OFF_Q6_K, 16)
+    else:
+        _each_block(qtype, _not_k, _unpack_kint, (w, rb, r0, nr, k, tmp, si, mi, dd, dm, c0))
     for rr in range(nr, _R):
         for j in range(si.size // _R):
             si[j * _R + rr] = 0
@@ -344,10 +349,13 @@ def _unpack(qtype, w, rb, r0, nr, k, u, s, mn, tmp):
     if qtype == Q4_KX16:
         _unpack_k4x16(w, rb, r0, nr, k, u, s, mn)
         return
-    if qtype > X16:
+    if qtype == Q6_KX16:
+        _unpack_k(((w, rb), rb, r0, nr, k, tmp, s, mn), _scales_k6x16, _quants_k6x16, _NB_Q6_K, _OFF_Q6_K, 16)
+    elif qtype > X16:
         _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn)
         return
-    _each_block(qtype, _unpack_32, _unpack_k, (w, rb, r0, nr, k, tmp, s, mn))
+    else:
+        _each_block(qtype, _unpack_32, _unpack_k, (w, rb, r0, nr, k, tmp, s, mn))
     for rr in range(nr, _R):
         for j in range(s.size // _R):
             s[j * _R + rr] = 0
@@ -562,7 +570,7 @@ def _igemm(x, ws, qtype, out, col0, narrow):
     n, k = x.shape
     off, has_min, sb = _type_info(qtype)
     tt = _T8 if narrow else _T
-    kint = narrow and (Q2_K <= qtype <= Q6_K or qtype == Q4_KX16)  # the K types (GGUF ids 10 .. 14)
+    kint = narrow and (Q2_K <= qtype <= Q6_K or qtype == Q4_KX16 or qtype == Q6_KX16)  # K types (GGUF ids 10 .. 14)
     qb = 256 if kint else 32  # activation block
     npad = (n + tt - 1) // tt * tt  # padding tokens are zero: their results are dropped
     nb, nsb = k // qb, k // sb

@@ -466,7 +466,7 @@ def _each_block(qtype, on_32, on_k, a):
 # 32 + 2 r), then their mins the same way (Q4_1). The same bytes as the GGUF rows, moved.
 # ---------------------------------------------------------------------------------------------
 X16 = 1000  # + the GGUF type id
-Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16 = X16 + Q4_0, X16 + Q4_1, X16 + Q8_0, X16 + Q4_K
+Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16 = X16 + Q4_0, X16 + Q4_1, X16 + Q8_0, X16 + Q4_K, X16 + Q6_K
 
 
 @njit(inline="always")
@@ -483,9 +483,9 @@ def x16_geometry(qtype):
 
 def x16_fits(qtype: int, m: int, row_bytes: int) -> bool:
     """Whether a matrix of m rows can take its type's X16 layout: whole groups and block pairs
-    (Q4_K: whole groups; a super-block is a unit)."""
-    if qtype == Q4_K:
-        return m % 16 == 0 and row_bytes % _NB_Q4_K == 0
+    (Q4_K, Q6_K: whole groups; a super-block is a unit)."""
+    if qtype == Q4_K or qtype == Q6_K:
+        return m % 16 == 0 and row_bytes % qt.QUANT_TYPES[qtype].block_bytes == 0
     return qtype in (Q4_0, Q4_1, Q8_0) and m % 16 == 0 and row_bytes % (2 * qt.QUANT_TYPES[qtype].block_bytes) == 0
 
 
@@ -604,6 +604,108 @@ def k4x16_field(w, u, r, j):
     lo, h = i32(w[u + _K4L + 64 * (j // 4) + 16 * (j % 4) + r]), i32(w[u + _K4H + 16 * (j % 4) + r])
     sh = i32(2 * (j // 4))
     return (lo & 15) | (((h >> sh) & 3) << 4), (lo >> 4) | (((h >> (sh + 4)) & 3) << 4)
+
+
+# Q6_K repacked (Q6_KX16): per group of 16 rows and super-block a unit of 3360 bytes (16 x 210;
+# units start on 32-byte boundaries, AVX2's loads never split a line), read in order:
+#   d of row r (float16) at 2 r;
+#   the int8 scale of sub-block j (of 16) of row r at 32 + 16 j + _K6ROW[r] (rows 0-3, 8-11, 4-7,
+#     12-15: one sign extension and two unpacks put each row's scale in both int16 lanes of its
+#     int32 lane, pmaddwd's operand);
+#   the 6-bit quants q0 .. q3 of elements 128 h + 32 i + l (i = 0..3; GGUF's ql, qh bytes for l
+#     in half h) in three bytes: a = q0 | (q3 & 3) << 6, b = q1 | (q3 >> 2 & 3) << 6,
+#     c = q2 | (q3 >> 4) << 6 (q0 .. q2: one AND each, q3: three), at 288 + 768 (2 h + s // 4) +
+#     64 (s % 4) + 4 r + l % 4 for a (b at + 256, c at + 512), s = l // 4: each 768-byte piece
+#     holds 4 sub-blocks of the 16 rows (4 lines of a, b, c; 16 rows x 4 elements a line).
+#   The same number of bytes as the GGUF rows; the GGUF bytes come back exactly (_quants_k6x16).
+_K6U = 3360  # bytes per unit
+_K6S, _K6P = 32, 288  # scales, pieces (d at 0)
+_K6ROW = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)  # row r's byte in a scale line
+
+
+@njit(cache=True, parallel=True)
+def repack_x16_k6(src, dst):
+    """dst (m, row_bytes) = the Q6_K rows of src in the Q6_KX16 layout (x16_fits holds)."""
+    m, rb = src.shape
+    nb = rb // _NB_Q6_K
+    s, d = src.reshape(-1), dst.reshape(-1)
+    for g in prange(m // 16):
+        for r in range(16):
+            ro = (16 * g + r) * rb
+            for b in range(nb):
+                o = ro + _NB_Q6_K * b
+                u = g * 16 * rb + _K6U * b
+                for h in range(2):
+                    for l in range(32):
+                        lo, hi, qh = i32(s[o + 64 * h + l]), i32(s[o + 64 * h + 32 + l]), i32(s[o + 128 + 32 * h + l])
+                        q0, q1 = (lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4)
+                        q2, q3 = (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | ((qh >> 6) << 4)
+                        q = u + _K6P + 768 * (2 * h + l // 16) + 64 * (l // 4 % 4) + 4 * r + l % 4
+                        d[q] = q0 | ((q3 & 3) << 6)
+                        d[q + 256] = q1 | (((q3 >> 2) & 3) << 6)
+                        d[q + 512] = q2 | ((q3 >> 4) << 6)
+                for j in range(16):
+                    d[u + _K6S + 16 * j + _K6ROW[r]] = s[o + 192 + j]
+                d[u + 2 * r], d[u + 2 * r + 1] = s[o + 208], s[o + 209]
+
+
+@njit(inline="always")
+def _k6x16_at(wr, o):
+    """(flat weight, unit's byte, row in the group) of the GGUF super-block at byte o of a Q6_KX16
+    weight given as wr = (flat weight, GGUF row bytes): the GGUF decoders' (row, o) for _each_block's
+    callers (dequantization, prefill tiles), so the repacked rows decode to the same bits."""
+    w, rb = wr
+    row = o // rb
+    return w, (row - row % 16) * rb + (o - row * rb) // _NB_Q6_K * _K6U, row % 16
+
+
+@njit(inline="always")
+def _scales_k6x16(wr, o):
+    """_scales_q6_k of a Q6_KX16 row (_k6x16_at)."""
+    w, u, r = _k6x16_at(wr, o)
+    a = u + _K6S + _K6ROW[r]  # sub-block j at a + 16 j
+    q = (cat(cat(ld(w, a, 1), ld(w, a + 16, 1)), cat(ld(w, a + 32, 1), ld(w, a + 48, 1))),
+         cat(cat(ld(w, a + 64, 1), ld(w, a + 80, 1)), cat(ld(w, a + 96, 1), ld(w, a + 112, 1))),
+         cat(cat(ld(w, a + 128, 1), ld(w, a + 144, 1)), cat(ld(w, a + 160, 1), ld(w, a + 176, 1))),
+         cat(cat(ld(w, a + 192, 1), ld(w, a + 208, 1)), cat(ld(w, a + 224, 1), ld(w, a + 240, 1))))
+    sc = cvt(cvt(cat(cat(q[0], q[1]), cat(q[2], q[3])), np.int8), np.int16)
+    return half(w, u + 2 * r), f32(0), sc, splat(i32(0), 16)
+
+
+@njit(inline="always")
+def _quants_k6x16(wr, o, c):
+    """_quants_q6_k of a Q6_KX16 row (_k6x16_at): chunk c = 4 h + i, elements 128 h + 32 i + l."""
+    w, u, r = _k6x16_at(wr, o)
+    h, i = c >> 2, c & 3
+    q = u + _K6P + 1536 * h + 4 * r
+    if i < 3:
+        v = _k6_row32(w, q + 256 * i)
+        return k6_quants(v, v, v, i)
+    return k6_quants(_k6_row32(w, q), _k6_row32(w, q + 256), _k6_row32(w, q + 512), 3)
+
+
+@njit(inline="always")
+def _k6_row32(w, q):
+    """One row's 32 bytes of a, b or c lines from byte q (4 a line, two pieces of 4 lines)."""
+    return cat(cat(cat(ld(w, q, 4), ld(w, q + 64, 4)), cat(ld(w, q + 128, 4), ld(w, q + 192, 4))),
+               cat(cat(ld(w, q + 768, 4), ld(w, q + 832, 4)), cat(ld(w, q + 896, 4), ld(w, q + 960, 4))))
+
+
+@njit(inline="always")
+def k6_quants(a, b, c, i):
+    """Quants q_i (0..63) from the Q6_KX16 bytes a, b, c of the same elements (uint8 vectors; for
+    i < 3 only the one of a, b, c it is in is read)."""
+    u = np.uint32
+    if i == 0:
+        v = vand(view(a, u), u(0x3F3F3F3F))
+    elif i == 1:
+        v = vand(view(b, u), u(0x3F3F3F3F))
+    elif i == 2:
+        v = vand(view(c, u), u(0x3F3F3F3F))
+    else:
+        v = vor(vor(vand(vshr(view(a, u), 6), u(0x03030303)), vand(vshr(view(b, u), 4), u(0x0C0C0C0C))),
+                vand(vshr(view(c, u), 2), u(0x30303030)))
+    return view(v, np.uint8)
 
 
 # ---------------------------------------------------------------------------------------------

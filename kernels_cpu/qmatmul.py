@@ -42,8 +42,9 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       _each_block, _half_iq4_xs, _load_bf16, _load_f16, _load_f32, _pair_q2_k, _pair_q3_k, _pair_q6_k,
                       _quad_iq4_nl, _quad_q4_0, _quad_q4_1, _quad_q4_k, _quad_q5_0, _quad_q5_1, _quad_q5_k, _quad_q8_0,
                       _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles,
-                      X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, _K4D, _K4Q, _K4U, k4x16_block, k4x16_scales, repack_x16,
-                      repack_x16_k4, x16_block, x16_fits, x16_geometry)
+                      X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16, _K4D, _K4Q, _K4U, _K6P, _K6S, _K6U, k4x16_block,
+                      k4x16_scales, k6_quants, _quants_k6x16, _scales_k6x16, repack_x16, repack_x16_k4, repack_x16_k6,
+                      x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
 from .simd import (_PMADDUBSW, _VPDPBUSD, PMADDUBSW_DOTS, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_biased,
                    dot4acc_small, dot8acc_biased, dot8acc_small, fma, fma_kept, hmax, hsum, lane, ld, ld_f16, madd,
@@ -876,6 +877,14 @@ def _k4_finish(a, m03, m47, d, dmin, xd, bsum, bo, f):
 
 
 @njit(fastmath=True, inline="always")
+def _k4_scales32(w, u):
+    """The Q4_KX16 unit at byte u's 8 sub-block scales as int32 x 16 each, and its mins (k4x16_scales)."""
+    sc03, sc47, m03, m47 = k4x16_scales(w, u)
+    return (cvt(_SUB0(sc03), i32), cvt(_SUB1(sc03), i32), cvt(_SUB2(sc03), i32), cvt(_SUB3(sc03), i32),
+            cvt(_SUB0(sc47), i32), cvt(_SUB1(sc47), i32), cvt(_SUB2(sc47), i32), cvt(_SUB3(sc47), i32)), m03, m47
+
+
+@njit(fastmath=True, inline="always")
 def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
     """out[t : t + nt, c : c + 16] for the Q4_KX16 group at byte g0 (nsb units) and nt (1 or 4)
     tokens from t; each token's floats in the same order whatever nt is (one set of bits)."""
@@ -888,16 +897,12 @@ def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
         if nt > 1:
             for p in range(0, _K4Q, 64):
                 prefetch(w, u + _PF_K4X16 + p)
-        sc03, sc47, m03, m47 = k4x16_scales(w, u)
+        sc, m03, m47 = _k4_scales32(w, u)
         xo = t * k + 256 * b
-        a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q, xq, xo, k, nt, cvt(_SUB0(sc03), i32), cvt(_SUB1(sc03), i32),
-                                   zi, zi, zi, zi)
-        a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q + 512, xq, xo + 64, k, nt, cvt(_SUB2(sc03), i32), cvt(_SUB3(sc03), i32),
-                                   a0, a1, a2, a3)
-        a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q + 1024, xq, xo + 128, k, nt, cvt(_SUB0(sc47), i32), cvt(_SUB1(sc47), i32),
-                                   a0, a1, a2, a3)
-        a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q + 1536, xq, xo + 192, k, nt, cvt(_SUB2(sc47), i32), cvt(_SUB3(sc47), i32),
-                                   a0, a1, a2, a3)
+        a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q, xq, xo, k, nt, sc[0], sc[1], zi, zi, zi, zi)
+        a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q + 512, xq, xo + 64, k, nt, sc[2], sc[3], a0, a1, a2, a3)
+        a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q + 1024, xq, xo + 128, k, nt, sc[4], sc[5], a0, a1, a2, a3)
+        a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q + 1536, xq, xo + 192, k, nt, sc[6], sc[7], a0, a1, a2, a3)
         d = h2f(view(ld(w, u + _K4D, 32), np.uint16))
         dmin = h2f(view(ld(w, u + _K4D + 32, 32), np.uint16))
         bo = t * k16 + 16 * b
@@ -922,14 +927,6 @@ def _k4_half(w, q, xq, xo, i, j):
     j = dot8acc_small(j, _hi4(v0), _bx(xq, xo + 32), _hi4(v2), _bx(xq, xo + 40))
     i = dot8acc_small(i, vand(v1, 15), _bx(xq, xo + 4), vand(v3, 15), _bx(xq, xo + 12))
     return i, dot8acc_small(j, _hi4(v1), _bx(xq, xo + 36), _hi4(v3), _bx(xq, xo + 44))
-
-
-@njit(fastmath=True, inline="always")
-def _k4_scales32(w, u):
-    """The Q4_KX16 unit at byte u's 8 sub-block scales as int32 x 16 each, and its mins (k4x16_scales)."""
-    sc03, sc47, m03, m47 = k4x16_scales(w, u)
-    return (cvt(_SUB0(sc03), i32), cvt(_SUB1(sc03), i32), cvt(_SUB2(sc03), i32), cvt(_SUB3(sc03), i32),
-            cvt(_SUB0(sc47), i32), cvt(_SUB1(sc47), i32), cvt(_SUB2(sc47), i32), cvt(_SUB3(sc47), i32)), m03, m47
 
 
 @njit(fastmath=True, inline="always")
@@ -963,20 +960,140 @@ def _k4x16_pair(wa, ga, wb, gb, nsb, xq, k, xd, bsum, out, ca, cb):
     _x16_store(out, 0, cb, fb)
 
 
-@njit(fastmath=True)
-def _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
-    """Q4_KX16 rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, 4 at a time, then one by
-    one (from L2, 256 rows x 4096, one core: 92-115 cycles a unit and token in fours, 131 alone;
-    a tile of 2 took 137-209 whichever way its lines were ordered)."""
+@njit(fastmath=True, inline="always")
+def _rows_kx16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, step, tile):
+    """A K type's X16 rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, `tile` at a time
+    (step: the type's pass), then one by one."""
     nsb = k // 256
     for g in range(r0, r1, 16):
         t = 0
-        while t + 4 <= n:
-            _k4x16_pass(w, g * rb, nsb, xq, k, xd, bsum, t, 4, out, col + g)
-            t += 4
+        while t + tile <= n:
+            step(w, g * rb, nsb, xq, k, xd, bsum, t, tile, out, col + g)
+            t += tile
         while t < n:
-            _k4x16_pass(w, g * rb, nsb, xq, k, xd, bsum, t, 1, out, col + g)
+            step(w, g * rb, nsb, xq, k, xd, bsum, t, 1, out, col + g)
             t += 1
+
+
+@njit(fastmath=True)
+def _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
+    """Q4_KX16 rows in tiles of 4 tokens (from L2, 256 rows x 4096, one core: 92-115 cycles a unit
+    and token in fours, 131 alone; a tile of 2 took 137-209 whichever way its lines were ordered)."""
+    _rows_kx16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _k4x16_pass, 4)
+
+
+# Q6_KX16 (layouts.py): per unit, sub-block by sub-block (4 lines of 16 rows x 4 quants): the
+# 6-bit quants times broadcast activations in int16 pairs (pmaddubsw; two lines' sums stay below
+# 2**15: 4 x 63 x 127), times the rows' scales into int32 (pmaddwd with each row's scale in both
+# halves of its lane); the offset 32 is the scales times -16 x the sub-block's activation sum in
+# both halves (16 x 2032 < 2**15). One float FMA a unit (d * xd). Exact integers: one set of bits
+# whatever the order or the token count. Decoding the quants is most of the work: one AND for
+# 3 lines of 4, three shifts, ANDs and two ORs for the fourth (GGUF's ql / qh split took twice).
+_K6DUP = shuffler(0, 0, 1, 1, 2, 2, 3, 3, 8, 8, 9, 9, 10, 10, 11, 11, 4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15)
+
+
+@njit(inline="always")
+def _k6_vals(w, q, i):
+    """Quants q_i of the line at q of a Q6_KX16 piece (k6_quants)."""
+    if i == 3:
+        return k6_quants(ld(w, q, 64), ld(w, q + 256, 64), ld(w, q + 512, 64), 3)
+    v = ld(w, q + 256 * i, 64)
+    return k6_quants(v, v, v, i)
+
+
+@njit(inline="always")
+def _k6_off(bsum, i):
+    """-16 x the activations' sum of 16 at bsum[i] in both int16 halves of 16 int32 lanes."""
+    b = -16 * i32(at(bsum, i))
+    return view(splat(i32((b & 0xFFFF) | (b << 16)), 16), i16)
+
+
+@njit(fastmath=True, inline="always")
+def _k6_sub(w, u, h, i, sh, xq, xo, k, nt, bsum, bo, k16, a0, a1):
+    """a0 (and a1, the next token, for nt 2) + sub-block 8 h + 2 i + sh of the Q6_KX16 unit at u,
+    activations at xo (xo + k) and their sums of 16 at bsum[bo] (bo + k16). (i a constant at each
+    call: the quants' decoding is chosen at compile time.)"""
+    j = 8 * h + 2 * i + sh
+    q = u + _K6P + 768 * (2 * h + sh)
+    xb = xo + 128 * h + 32 * i + 16 * sh
+    sc = _K6DUP(cvt(view(ld(w, u + _K6S + 16 * j, 16), np.int8), i16))  # row r's scale at int16 2r, 2r + 1
+    v0, v1 = _k6_vals(w, q, i), _k6_vals(w, q + 64, i)
+    a0 = vadd(a0, madd(vadd(maddubs(v0, _bx(xq, xb)), maddubs(v1, _bx(xq, xb + 4))), sc))
+    if nt > 1:
+        a1 = vadd(a1, madd(vadd(maddubs(v0, _bx(xq, xb + k)), maddubs(v1, _bx(xq, xb + k + 4))), sc))
+    v2, v3 = _k6_vals(w, q + 128, i), _k6_vals(w, q + 192, i)
+    a0 = vadd(a0, vadd(madd(vadd(maddubs(v2, _bx(xq, xb + 8)), maddubs(v3, _bx(xq, xb + 12))), sc),
+                       madd(sc, _k6_off(bsum, bo + j))))
+    if nt > 1:
+        a1 = vadd(a1, vadd(madd(vadd(maddubs(v2, _bx(xq, xb + k + 8)), maddubs(v3, _bx(xq, xb + k + 12))), sc),
+                           madd(sc, _k6_off(bsum, bo + k16 + j))))
+    return a0, a1
+
+
+@njit(fastmath=True, inline="always")
+def _k6_finish(w, u, a, xd, f):
+    return fma_kept(cvt(a, f32), vmul_kept(h2f(view(ld(w, u, 32), np.uint16)), splat(xd, 16)), f)
+
+
+@njit(fastmath=True, inline="always")
+def _k6x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
+    """out[t : t + nt, c : c + 16] for the Q6_KX16 group at byte g0 (nsb units) and nt (1 or 2)
+    tokens from t, the quants decoded once for both."""
+    z, zi = splat(f32(0), 16), splat(i32(0), 16)
+    f0, f1 = z, z
+    k16 = k // 16
+    for b in range(nsb):
+        u = g0 + _K6U * b
+        if nt > 1:
+            for p in range(0, _K6U, 64):
+                prefetch(w, u + _PF_K4X16 + p)
+        a0, a1 = zi, zi
+        xo, bo = t * k + 256 * b, t * k16 + 16 * b
+        for p in range(4):
+            h, sh = p >> 1, p & 1
+            a0, a1 = _k6_sub(w, u, h, 0, sh, xq, xo, k, nt, bsum, bo, k16, a0, a1)
+            a0, a1 = _k6_sub(w, u, h, 1, sh, xq, xo, k, nt, bsum, bo, k16, a0, a1)
+            a0, a1 = _k6_sub(w, u, h, 2, sh, xq, xo, k, nt, bsum, bo, k16, a0, a1)
+            a0, a1 = _k6_sub(w, u, h, 3, sh, xq, xo, k, nt, bsum, bo, k16, a0, a1)
+        f0 = _k6_finish(w, u, a0, at(xd, t * nsb + b), f0)
+        if nt > 1:
+            f1 = _k6_finish(w, u, a1, at(xd, (t + 1) * nsb + b), f1)
+    _x16_store(out, t, c, f0)
+    if nt > 1:
+        _x16_store(out, t + 1, c, f1)
+
+
+@njit(fastmath=True, inline="always")
+def _k6x16_pair(wa, ga, wb, gb, nsb, xq, k, xd, bsum, out, ca, cb):
+    """One token on two Q6_KX16 groups at once (as _k4x16_pair), taking turns every two sub-blocks
+    (~256-512 bytes of new lines): one thread, 4096 x 11008 streamed, 19-21 GB/s against a plain
+    read's 21-23 and the GGUF rows' 13-15 (one group alone: 15-16)."""
+    z, zi = splat(f32(0), 16), splat(i32(0), 16)
+    fa, fb = z, z
+    for b in range(nsb):
+        ua, ub = ga + _K6U * b, gb + _K6U * b
+        aa, ab = zi, zi
+        xo, bo = 256 * b, 16 * b
+        for p in range(4):
+            h, sh = p >> 1, p & 1
+            aa, _ = _k6_sub(wa, ua, h, 0, sh, xq, xo, k, 1, bsum, bo, 0, aa, aa)
+            aa, _ = _k6_sub(wa, ua, h, 1, sh, xq, xo, k, 1, bsum, bo, 0, aa, aa)
+            ab, _ = _k6_sub(wb, ub, h, 0, sh, xq, xo, k, 1, bsum, bo, 0, ab, ab)
+            ab, _ = _k6_sub(wb, ub, h, 1, sh, xq, xo, k, 1, bsum, bo, 0, ab, ab)
+            aa, _ = _k6_sub(wa, ua, h, 2, sh, xq, xo, k, 1, bsum, bo, 0, aa, aa)
+            aa, _ = _k6_sub(wa, ua, h, 3, sh, xq, xo, k, 1, bsum, bo, 0, aa, aa)
+            ab, _ = _k6_sub(wb, ub, h, 2, sh, xq, xo, k, 1, bsum, bo, 0, ab, ab)
+            ab, _ = _k6_sub(wb, ub, h, 3, sh, xq, xo, k, 1, bsum, bo, 0, ab, ab)
+        fa = _k6_finish(wa, ua, aa, at(xd, b), fa)
+        fb = _k6_finish(wb, ub, ab, at(xd, b), fb)
+    _x16_store(out, 0, ca, fa)
+    _x16_store(out, 0, cb, fb)
+
+
+@njit(fastmath=True)
+def _dot_rows_k6x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
+    """Q6_KX16 rows in tiles of 2 tokens (AVX2's 16 ymm registers hold no more)."""
+    _rows_kx16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col, _k6x16_pass, 2)
 
 
 @njit(fastmath=True, inline="always")
@@ -1067,6 +1184,8 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     time grows faster than a function's size: apart they compile in a fraction of one's time)."""
     if qtype == Q4_KX16:
         _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col)
+    elif qtype == Q6_KX16:
+        _dot_rows_k6x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col)
     elif qtype > X16:
         _dot_rows_x16(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
     elif qtype == Q4_0 or qtype == Q4_1 or qtype == Q5_0 or qtype == Q5_1 or qtype == Q8_0 or qtype == IQ4_NL:
@@ -1083,6 +1202,8 @@ def _dot_pair(qtype, wa, ra, wb, r2, rb, k, xq, xd, xsum, bsum, xoff, out, ca, c
     of wa to columns ca + ra.., rows r2.. of wb to cb + r2.. (rb bytes a row)."""
     if qtype == Q4_KX16:
         _k4x16_pair(wa, ra * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, ca + ra, cb + r2)
+    elif qtype == Q6_KX16:
+        _k6x16_pair(wa, ra * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, ca + ra, cb + r2)
     elif qtype == Q4_0X16:
         _x16_pair(wa, ra * rb, wb, r2 * rb, k // 32, Q4_0X16, xq, k, xd, xsum, xoff, out, ca + ra, cb + r2)
     elif qtype == Q4_1X16:
@@ -1152,6 +1273,8 @@ def _dequant_row(qtype, w, ro, k, dst, at):
         for b in range(k // 32):
             q, d, dmin, sc, m = k4x16_block(w, rb, ro // rb, b)
             st(dst, at + 32 * b, vsub(vmul(cvt(vmul(cvt(q, np.int16), sc), np.float32), d), dmin * f32(m)))
+    elif qtype == Q6_KX16:  # the GGUF decoders on the repacked bytes: the same bits
+        _deq_k(((w, k // 256 * _NB_Q6_K), ro, k, dst, at), _scales_k6x16, _quants_k6x16, _NB_Q6_K, _OFF_Q6_K, 16)
     elif qtype > X16:
         rb = k // 32 * x16_geometry(qtype)[3]
         for b in range(k // 32):
@@ -1222,7 +1345,7 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     _prologue(x, pre, pre_w, eps, xa)
     m0, m1, rb = ws[0].shape[0], ws[1].shape[0], ws[0].shape[1]
     fam = 0 if (qtype == F32 or qtype == F16 or qtype == BF16) else (
-        256 if (qtype >= Q2_K and qtype <= Q6_K) or qtype == IQ4_XS or qtype == Q4_KX16 else (
+        256 if (qtype >= Q2_K and qtype <= Q6_K) or qtype == IQ4_XS or qtype == Q4_KX16 or qtype == Q6_KX16 else (
             16 if qtype > X16 else 32))
     bs = max(fam, 32)
     nb = k // bs
@@ -1369,7 +1492,7 @@ def _dequant_rows(w, qtype, rows, k, out):
 def _check_weight(w, qtype, what="weight") -> tuple[np.ndarray, int]:
     """w as a read-only uint8 (m, row_bytes) view, and k (weights per row)."""
     qt = QUANT_TYPES.get(qtype - X16 if qtype > X16 else qtype)  # a repacked layout: its type's bytes
-    if qtype not in SUPPORTED and qtype not in (Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16):
+    if qtype not in SUPPORTED and qtype not in (Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16):
         raise UnsupportedModelError(f"qmatmul: tensor type {qt.name if qt else f'id {qtype}'} is not supported")
     if not isinstance(w, np.ndarray) or w.ndim != 2:
         raise EdgekvError(f"qmatmul: {what} must be a 2-D array, got {type(w).__name__} {getattr(w, 'shape', '')}")
@@ -1438,14 +1561,16 @@ def _aligned(shape: tuple[int, int]) -> np.ndarray:
 def packable(qtype: int, shapes) -> bool:
     """Whether pack would repack a weight of this type whose parts have these (rows, row bytes):
     with AVX-512 VNNI or AVX2's pmaddubsw (not AVX-VNNI alone: its 256-bit vpdpbusd would run the
-    layout's 512-bit products in halves, unmeasured)."""
-    ok = 64 in _VPDPBUSD or (not _VPDPBUSD and 32 in _PMADDUBSW)  # (simd.PMADDUBSW_DOTS)
+    layout's 512-bit products in halves, unmeasured); Q6_K with AVX2's only (measured there: its
+    kernel is pmaddubsw's, not vpdpbusd's)."""
+    avx2 = not _VPDPBUSD and 32 in _PMADDUBSW  # (simd.PMADDUBSW_DOTS)
+    ok = avx2 if qtype == Q6_K else 64 in _VPDPBUSD or avx2
     return ok and all(x16_fits(qtype, *sh) for sh in shapes if sh[0])
 
 
 def pack(qw: QWeight, alloc=_aligned) -> QWeight:
     """qw in this machine's faster decode layout where there is one, else qw itself: Q4_0, Q4_1,
-    Q8_0 and Q4_K with AVX-512 VNNI or AVX2 -> their X16 layout (layouts.py; every
+    Q8_0 and Q4_K with AVX-512 VNNI or AVX2, Q6_K with AVX2 -> their X16 layout (layouts.py; every
     part whole groups of 16 rows and pairs of blocks). The parts are new arrays from alloc(shape) (empty uint8, 64-byte
     aligned): the caller's may be released."""
     if not packable(qw.qtype, [p.shape for p in qw.ws]):
@@ -1456,6 +1581,8 @@ def pack(qw: QWeight, alloc=_aligned) -> QWeight:
             d = alloc(p.shape)
             if qw.qtype == Q4_K:
                 repack_x16_k4(p, d)
+            elif qw.qtype == Q6_K:
+                repack_x16_k6(p, d)
             else:
                 repack_x16(p, d, qw.qtype)
             p = _readonly(d)

@@ -493,8 +493,12 @@ def test_vector_primitives(monkeypatch, isa):
 
 def _x16(monkeypatch, parts, name="Q4_0"):
     """parts (rows of a GGUF type) as one weight repacked by qmatmul.pack (on any ISA: its kernels
-    take the vector layer's fallbacks where AVX-512 VNNI is missing)."""
-    monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test", **qm._VPDPBUSD})
+    take the vector layer's fallbacks where AVX-512 VNNI is missing; Q6_K's layout is AVX2's)."""
+    if name == "Q6_K":
+        monkeypatch.setattr(qm, "_VPDPBUSD", {})
+        monkeypatch.setattr(qm, "_PMADDUBSW", {32: "test", **qm._PMADDUBSW})
+    else:
+        monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test", **qm._VPDPBUSD})
     qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
     packed = qm.pack(qw)
     assert packed.qtype == layouts.X16 + qw.qtype and packed.m == qw.m and packed.k == qw.k
@@ -505,15 +509,15 @@ def _run(qw, x, out, col=0):
     return qm.run(qw, x, out, col, qm.PRE_NONE, qm._NONE1, 0.0, qm._NONE2, qm._NONE1)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_repacked_x16(monkeypatch, name):
-    """Q4_0, Q4_1, Q8_0, Q4_K repacked into 16 interleaved rows (decode, prefill, row
-    dequantization) against gguf.quants' dequantization times the kernels' int8 activations: fused
-    parts of 48, 16 and 64 rows, k of 2, 18 and 32 blocks (Q4_K: 1, 3 and 4 super-blocks), every
-    decode token count (each token with the bits it has alone: tiles of 4, 2, 1 tokens), and
-    prefill counts that leave partial tiles (16 .. 513)."""
+    """Q4_0, Q4_1, Q8_0, Q4_K, Q6_K repacked into 16 interleaved rows (decode, prefill, row
+    dequantization: the GGUF rows' bits) against gguf.quants' dequantization times the kernels'
+    int8 activations: fused parts of 48, 16 and 64 rows, k of 2, 18 and 32 blocks (K types: 1, 3
+    and 4 super-blocks), every decode token count (each token with the bits it has alone: tiles of
+    4, 2, 1 tokens), and prefill counts that leave partial tiles (16 .. 513)."""
     rng = np.random.default_rng(23)
-    for k in (256, 768, 1024) if name == "Q4_K" else (64, 576, 1024):
+    for k in (256, 768, 1024) if name in ("Q4_K", "Q6_K") else (64, 576, 1024):
         parts = [random_raw(name, m, k, rng) for m in (48, 16, 64)]
         dense = np.concatenate([reference(p, name) for p in parts])
         qw, packed = _x16(monkeypatch, parts, name)
@@ -548,13 +552,13 @@ def test_q4_0_repacked_fused_steps(monkeypatch):
 
 def test_q4_0_repack_only_whole_groups(monkeypatch):
     """pack leaves a weight as it is where the layout does not fit (rows not whole groups of 16, an
-    odd number of blocks, a type without one) and with AVX-VNNI alone (256 bits); it packs with
-    AVX2's pmaddubsw."""
+    odd number of blocks, a type without one, Q6_K with AVX-512 VNNI) and with AVX-VNNI alone (256
+    bits); it packs with AVX2's pmaddubsw (Q6_K too)."""
     rng = np.random.default_rng(25)
     monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test"})
     for parts, name in (([random_raw("Q4_0", 16, 64, rng), random_raw("Q4_0", 8, 64, rng)], "Q4_0"),
                         ([random_raw("Q4_1", 32, 96, rng)], "Q4_1"), ([random_raw("Q4_K", 24, 256, rng)], "Q4_K"),
-                        ([random_raw("Q5_K", 32, 256, rng)], "Q5_K")):
+                        ([random_raw("Q5_K", 32, 256, rng)], "Q5_K"), ([random_raw("Q6_K", 32, 256, rng)], "Q6_K")):
         qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
         assert qm.pack(qw) is qw
     monkeypatch.setattr(qm, "_VPDPBUSD", {32: "test"})
@@ -565,3 +569,6 @@ def test_q4_0_repack_only_whole_groups(monkeypatch):
     assert qm.pack(qw).qtype == layouts.X16 + qw.qtype
     q8 = qm.QWeight(random_raw("Q8_0", 32, 64, rng), BY_NAME["Q8_0"].id)
     assert qm.pack(q8).qtype == layouts.X16 + q8.qtype
+    q6 = qm.QWeight(random_raw("Q6_K", 32, 256, rng), BY_NAME["Q6_K"].id)  # Q6_K: AVX2's layout only
+    assert qm.pack(q6).qtype == layouts.X16 + q6.qtype
+    assert qm.pack(qm.QWeight(random_raw("Q6_K", 24, 256, rng), BY_NAME["Q6_K"].id)).qtype == q6.qtype

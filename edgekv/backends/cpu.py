@@ -1,9 +1,10 @@
 """The CPU backend: the numba kernels of kernels_cpu/ behind the backend interface.
 
 Weights stay as quantized GGUF blocks, never dequantized; in the memory map, except where a
-layout of the same bytes is faster: with AVX-512 VNNI or AVX2, Q4_0, Q4_1, Q8_0 and Q4_K matrices are repacked at load into
-16 interleaved rows (qmatmul.pack; kernels_cpu/layouts.py), into anonymous memory, their pages
-of the map released so that the process holds one copy (as llama.cpp repacks Q4_0 online). That layout
+layout of the same bytes is faster: with AVX-512 VNNI or AVX2, Q4_0, Q4_1, Q8_0 and Q4_K matrices
+(on AVX2 Q6_K too) are repacked at load into 16 interleaved rows (qmatmul.pack; kernels_cpu/layouts.py),
+into anonymous memory, their pages of the map released so that the process holds one copy (as
+llama.cpp repacks Q4_0 online). That layout
 decodes several tokens for little more than one (batched decode). EDGEKV_WEIGHTS=map keeps every
 matrix in the map (it can be paged out and re-read under memory pressure; a copy cannot);
 EDGEKV_WEIGHTS=copy copies every matrix to anonymous memory: decode read them 6-12% faster there
@@ -241,7 +242,7 @@ class CPUBackend(AttentionStep):
             raise EdgekvError(f"EDGEKV_WEIGHTS must be auto, map or copy, not {mode!r}")
         self.copy_weights = mode == "copy"
         self.arena = _Arena()  # where repacked and copied weights live
-        self.repack = mode != "map"  # Q4_0/Q4_1/Q8_0/Q4_K in the decode kernels' interleaved layout (qmatmul.pack)
+        self.repack = mode != "map"  # Q4_0/Q4_1/Q8_0/Q4_K/Q6_K in the decode kernels' interleaved layout (qmatmul.pack)
 
     # -- threads ---------------------------------------------------------------------
     def step(self, tokens: int) -> "_Step":
