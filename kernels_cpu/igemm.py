@@ -35,8 +35,9 @@ import numpy as np
 from numba import njit, prange
 
 from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
-from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q6_KX16, Q8_0, X16, _K4D, _K4Q, _K4U, _NB_Q6_K,
-                      _OFF_Q6_K, _each_block, _quants_k6x16, _scales_k6x16, k4x16_field, x16_geometry, _tile_at, _tiles)
+from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q6_KX16, Q8_0, X16, _K4D, _K4Q, _K4U, _K6P, _K6U,
+                      _NB_Q6_K, _each_block, _quants_k6x16, _scales_k6x16, k4x16_field, k6_line, k6_scales,
+                      x16_geometry, _tile_at, _tiles)
 from .simd import (_VPDPBUSD, at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, madd, maddubs, shuffler, splat, st,
                    vadd, vand, view, vmul, vshr, vsub, vxor)
 
@@ -243,13 +244,8 @@ def _not_k(a, block, nbytes):
 
 @njit(fastmath=True)
 def _unpack_k8(qtype, w, rb, r0, nr, k, u, si, mi, dd, dm, c0, tmp):
-    """The tile's rows of a K type for _tile8k (_unpack_kint), transposed into u as _unpack's
-    (Q6_KX16: its rows through the GGUF decoders, layouts._k6x16_at)."""
-    if qtype == Q6_KX16:
-        _unpack_kint(((w, rb), rb, r0, nr, k, tmp, si, mi, dd, dm, c0), _scales_k6x16, _quants_k6x16, _NB_Q6_K,
-                     _OFF_Q6_K, 16)
-    else:
-        _each_block(qtype, _not_k, _unpack_kint, (w, rb, r0, nr, k, tmp, si, mi, dd, dm, c0))
+    """The tile's rows of a K type for _tile8k (_unpack_kint), transposed into u as _unpack's."""
+    _each_block(qtype, _not_k, _unpack_kint, (w, rb, r0, nr, k, tmp, si, mi, dd, dm, c0))
     for rr in range(nr, _R):
         for j in range(si.size // _R):
             si[j * _R + rr] = 0
@@ -341,6 +337,42 @@ def _unpack_k4x16_int(w, rb, r0, nr, k, u, si, mi, dd, dm, c0):
                 dd[o] = half(w, un + _K4D + 2 * r) if live else f32(0)
                 dm[o] = -half(w, un + _K4D + 32 + 2 * r) if live else f32(0)
                 c0[o] = -128 * total[r]
+
+
+_EVEN16 = shuffler(*range(0, 32, 2))  # int16 x 32 -> its even lanes
+
+
+@njit(fastmath=True)
+def _unpack_k6x16_int(w, rb, r0, nr, k, u, si, mi, dd, dm, c0):
+    """Q6_KX16 rows for _tile8k, as _unpack_kint gives Q6_K's: the layout's lines are u's (16 rows
+    x 4 quants), the quants less 32 stored straight; each row's int16 scale twice (k6_scales: si's
+    form already); c0 = -128 * sum_j sc_j * (sub-block j's sum of quants less 32); no mins."""
+    zu, zi = splat(np.uint32(0), 16), splat(i32(0), 16)
+    ones8, ones16 = splat(np.uint8(1), 64), splat(np.int16(1), 32)
+    for h in range(_R // 16):
+        g = (r0 + 16 * h) * rb
+        live = 16 * h < nr
+        for sb in range(k // 256):
+            un = g + _K6U * sb
+            total = zi
+            for j in range(16):  # sub-block j: piece (j // 8, j % 2), quants q_(j % 8 // 2), 4 lines
+                i = (j & 7) >> 1
+                q = un + _K6P + 768 * (2 * (j >> 3) + (j & 1))
+                acc = zi
+                for line in range(4):
+                    v = vsub(k6_line(w, q + 64 * line, i), np.uint8(32)) if live else view(zu, np.uint8)
+                    st(u, (64 * sb + 4 * j + line) * _R + 16 * h, view(v, np.uint32))
+                    acc = vadd(acc, madd(maddubs(ones8, view(v, np.int8)), ones16))  # the rows' sums of 4
+                sc = k6_scales(w, un, j) if live else splat(np.int16(0), 32)
+                st(si, (16 * sb + j) * _R + 16 * h, view(sc, i32))
+                total = vadd(total, vmul(acc, cvt(_EVEN16(sc), i32)))
+            st(c0, sb * _R + 16 * h, vmul(total, splat(i32(-128), 16)))
+            for r in range(16):
+                o = sb * _R + 16 * h + r
+                dd[o] = half(w, un + 2 * r) if live else f32(0)
+                dm[o] = -f32(0) if live else f32(0)  # -dmin, as _unpack_kint's
+                for p in range(8):
+                    mi[(8 * sb + p) * _R + 16 * h + r] = 0
 
 
 @njit(fastmath=True)
@@ -613,6 +645,8 @@ def _igemm(x, ws, qtype, out, col0, narrow):
             c0 = np.empty(k // 256 * _R, np.int32)
             if qtype == Q4_KX16:
                 _unpack_k4x16_int(w.reshape(-1), rb, r0, nr, k, u, si, mi, dd, dm, c0)
+            elif qtype == Q6_KX16:
+                _unpack_k6x16_int(w.reshape(-1), rb, r0, nr, k, u, si, mi, dd, dm, c0)
             else:
                 _unpack_k8(qtype, w.reshape(-1), rb, r0, nr, k, u, si, mi, dd, dm, c0, tmp)
         else:

@@ -691,6 +691,25 @@ def _k6_row32(w, q):
                cat(cat(ld(w, q + 768, 4), ld(w, q + 832, 4)), cat(ld(w, q + 896, 4), ld(w, q + 960, 4))))
 
 
+_K6DUP = shuffler(0, 0, 1, 1, 2, 2, 3, 3, 8, 8, 9, 9, 10, 10, 11, 11, 4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15)
+
+
+@njit(inline="always")
+def k6_scales(w, u, j):
+    """Sub-block j's scales of the Q6_KX16 unit at byte u as int16 x 32: row r's at lanes 2 r and
+    2 r + 1 (pmaddwd's operand; as an int32 lane, igemm's si)."""
+    return _K6DUP(cvt(view(ld(w, u + _K6S + 16 * j, 16), np.int8), np.int16))
+
+
+@njit(inline="always")
+def k6_line(w, q, i):
+    """Quants q_i of 16 rows x 4 elements from the Q6_KX16 piece line at byte q (k6_quants)."""
+    if i == 3:
+        return k6_quants(ld(w, q, 64), ld(w, q + 256, 64), ld(w, q + 512, 64), 3)
+    v = ld(w, q + 256 * i, 64)
+    return k6_quants(v, v, v, i)
+
+
 @njit(inline="always")
 def k6_quants(a, b, c, i):
     """Quants q_i (0..63) from the Q6_KX16 bytes a, b, c of the same elements (uint8 vectors; for

@@ -42,9 +42,9 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       _each_block, _half_iq4_xs, _load_bf16, _load_f16, _load_f32, _pair_q2_k, _pair_q3_k, _pair_q6_k,
                       _quad_iq4_nl, _quad_q4_0, _quad_q4_1, _quad_q4_k, _quad_q5_0, _quad_q5_1, _quad_q5_k, _quad_q8_0,
                       _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles,
-                      X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16, _K4D, _K4Q, _K4U, _K6P, _K6S, _K6U, k4x16_block,
-                      k4x16_scales, k6_quants, _quants_k6x16, _scales_k6x16, repack_x16, repack_x16_k4, repack_x16_k6,
-                      x16_block, x16_fits, x16_geometry)
+                      X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16, _K4D, _K4Q, _K4U, _K6P, _K6U, k4x16_block,
+                      k4x16_scales, k6_line, k6_scales, _quants_k6x16, _scales_k6x16, repack_x16, repack_x16_k4,
+                      repack_x16_k6, x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
 from .simd import (_PMADDUBSW, _VPDPBUSD, PMADDUBSW_DOTS, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_biased,
                    dot4acc_small, dot8acc_biased, dot8acc_small, fma, fma_kept, hmax, hsum, lane, ld, ld_f16, madd,
@@ -989,18 +989,6 @@ def _dot_rows_k4x16(w, rb, r0, r1, k, n, xq, xd, bsum, out, col):
 # both halves (16 x 2032 < 2**15). One float FMA a unit (d * xd). Exact integers: one set of bits
 # whatever the order or the token count. Decoding the quants is most of the work: one AND for
 # 3 lines of 4, three shifts, ANDs and two ORs for the fourth (GGUF's ql / qh split took twice).
-_K6DUP = shuffler(0, 0, 1, 1, 2, 2, 3, 3, 8, 8, 9, 9, 10, 10, 11, 11, 4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15)
-
-
-@njit(inline="always")
-def _k6_vals(w, q, i):
-    """Quants q_i of the line at q of a Q6_KX16 piece (k6_quants)."""
-    if i == 3:
-        return k6_quants(ld(w, q, 64), ld(w, q + 256, 64), ld(w, q + 512, 64), 3)
-    v = ld(w, q + 256 * i, 64)
-    return k6_quants(v, v, v, i)
-
-
 @njit(inline="always")
 def _k6_off(bsum, i):
     """-16 x the activations' sum of 16 at bsum[i] in both int16 halves of 16 int32 lanes."""
@@ -1016,12 +1004,12 @@ def _k6_sub(w, u, h, i, sh, xq, xo, k, nt, bsum, bo, k16, a0, a1):
     j = 8 * h + 2 * i + sh
     q = u + _K6P + 768 * (2 * h + sh)
     xb = xo + 128 * h + 32 * i + 16 * sh
-    sc = _K6DUP(cvt(view(ld(w, u + _K6S + 16 * j, 16), np.int8), i16))  # row r's scale at int16 2r, 2r + 1
-    v0, v1 = _k6_vals(w, q, i), _k6_vals(w, q + 64, i)
+    sc = k6_scales(w, u, j)
+    v0, v1 = k6_line(w, q, i), k6_line(w, q + 64, i)
     a0 = vadd(a0, madd(vadd(maddubs(v0, _bx(xq, xb)), maddubs(v1, _bx(xq, xb + 4))), sc))
     if nt > 1:
         a1 = vadd(a1, madd(vadd(maddubs(v0, _bx(xq, xb + k)), maddubs(v1, _bx(xq, xb + k + 4))), sc))
-    v2, v3 = _k6_vals(w, q + 128, i), _k6_vals(w, q + 192, i)
+    v2, v3 = k6_line(w, q + 128, i), k6_line(w, q + 192, i)
     a0 = vadd(a0, vadd(madd(vadd(maddubs(v2, _bx(xq, xb + 8)), maddubs(v3, _bx(xq, xb + 12))), sc),
                        madd(sc, _k6_off(bsum, bo + j))))
     if nt > 1:
