@@ -996,11 +996,12 @@ def _k6_off(bsum, i):
     return view(splat(i32((b & 0xFFFF) | (b << 16)), 16), i16)
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True)
 def _k6_sub(w, u, h, i, sh, xq, xo, k, nt, bsum, bo, k16, a0, a1):
     """a0 (and a1, the next token, for nt 2) + sub-block 8 h + 2 i + sh of the Q6_KX16 unit at u,
-    activations at xo (xo + k) and their sums of 16 at bsum[bo] (bo + k16). (i a constant at each
-    call: the quants' decoding is chosen at compile time.)"""
+    activations at xo (xo + k) and their sums of 16 at bsum[bo] (bo + k16). A plain function (a
+    leaf, as _x16_token): inlined at its 16 call sites by numba it added 67 s to _qmatvec's cold
+    compile (296 -> 363 s; as a leaf 302 s, the same speed: bench/RESULTS.md)."""
     j = 8 * h + 2 * i + sh
     q = u + _K6P + 768 * (2 * h + sh)
     xb = xo + 128 * h + 32 * i + 16 * sh
