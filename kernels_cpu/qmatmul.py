@@ -802,22 +802,64 @@ _SUB0, _SUB1, _SUB2, _SUB3 = (shuffler(*range(16 * j, 16 * j + 16)) for j in ran
 _DUP0, _DUP1, _DUP2, _DUP3 = (shuffler(*[16 * j + r for r in range(16) for _ in range(2)]) for j in range(4))
 
 
+# A sub-block's sums (16 rows x 32 products): on AVX2 pmaddubsw's int16 pair sums added over the
+# whole sub-block (16 products a lane, < 16 x 15 x 128 < 2**15) and multiplied by the rows' scales
+# in one pmaddwd (each row's scale in both int16 halves of its lane), as Q6_KX16: per sub-block
+# and vector of 16 rows 8 pmaddubsw, 7 paddw and one pmaddwd, where sums of 4 took 4 paddw, 4
+# pmaddwd by ones, 4 paddd and a vpmulld (one token from L2 1.2x, streamed 1.0-1.1x, 2-8 tokens
+# 1.1-1.35x: bench/RESULTS.md; before the pairs of _k4x16_pair the same change measured 0.93x).
+# With vpdpbusd: int32 sums of 4 times the scales (vpmulld). Exact integers either way.
+if PMADDUBSW_DOTS:
+    @njit(inline="always")
+    def _k4_zero():
+        return splat(i16(0), 32)
+
+    @njit(inline="always")
+    def _k4_dot(s, a0, b0, a1, b1):
+        return vadd(s, vadd(maddubs(a0, b0), maddubs(a1, b1)))
+
+    @njit(inline="always")
+    def _k4_scaled(s, sc):
+        return madd(s, sc)
+
+    @njit(inline="always")
+    def _k4_widen(sc03, sc47):
+        return (cvt(_DUP0(sc03), i16), cvt(_DUP1(sc03), i16), cvt(_DUP2(sc03), i16), cvt(_DUP3(sc03), i16),
+                cvt(_DUP0(sc47), i16), cvt(_DUP1(sc47), i16), cvt(_DUP2(sc47), i16), cvt(_DUP3(sc47), i16))
+else:
+    @njit(inline="always")
+    def _k4_zero():
+        return splat(i32(0), 16)
+
+    @njit(inline="always")
+    def _k4_dot(s, a0, b0, a1, b1):
+        return dot8acc_small(s, a0, b0, a1, b1)
+
+    @njit(inline="always")
+    def _k4_scaled(s, sc):
+        return vmul(s, sc)
+
+    @njit(inline="always")
+    def _k4_widen(sc03, sc47):
+        return (cvt(_SUB0(sc03), i32), cvt(_SUB1(sc03), i32), cvt(_SUB2(sc03), i32), cvt(_SUB3(sc03), i32),
+                cvt(_SUB0(sc47), i32), cvt(_SUB1(sc47), i32), cvt(_SUB2(sc47), i32), cvt(_SUB3(sc47), i32))
+
+
 @njit(fastmath=True)
 def _k4_token(lo, hi, sl, sh, xq, xo, a):
     """a + one token's share of a Q4_KX16 chunk: lo, hi (8 vectors of 16 rows x 4 elements, the
     chunk's two sub-blocks) dotted with the activations at xo and xo + 32, times the scales sl, sh."""
-    # four chains of 4 products (shorter dependencies; two chains of 8 measured the same), in
-    # pairs of sums of 4 (nibbles: two vpdpbusd, or pmaddubsw x 2 + one pmaddwd on AVX2)
-    z = splat(i32(0), 16)
-    i = dot8acc_small(z, lo[0], _bx(xq, xo), lo[2], _bx(xq, xo + 8))
-    j = dot8acc_small(z, hi[0], _bx(xq, xo + 32), hi[2], _bx(xq, xo + 40))
-    i2 = dot8acc_small(z, lo[1], _bx(xq, xo + 4), lo[3], _bx(xq, xo + 12))
-    j2 = dot8acc_small(z, hi[1], _bx(xq, xo + 36), hi[3], _bx(xq, xo + 44))
-    i = dot8acc_small(i, lo[4], _bx(xq, xo + 16), lo[6], _bx(xq, xo + 24))
-    j = dot8acc_small(j, hi[4], _bx(xq, xo + 48), hi[6], _bx(xq, xo + 56))
-    i2 = dot8acc_small(i2, lo[5], _bx(xq, xo + 20), lo[7], _bx(xq, xo + 28))
-    j2 = dot8acc_small(j2, hi[5], _bx(xq, xo + 52), hi[7], _bx(xq, xo + 60))
-    return vadd(a, vadd(vmul(vadd(i, i2), sl), vmul(vadd(j, j2), sh)))
+    # four chains of 4 products (shorter dependencies; two chains of 8 measured the same)
+    z = _k4_zero()
+    i = _k4_dot(z, lo[0], _bx(xq, xo), lo[2], _bx(xq, xo + 8))
+    j = _k4_dot(z, hi[0], _bx(xq, xo + 32), hi[2], _bx(xq, xo + 40))
+    i2 = _k4_dot(z, lo[1], _bx(xq, xo + 4), lo[3], _bx(xq, xo + 12))
+    j2 = _k4_dot(z, hi[1], _bx(xq, xo + 36), hi[3], _bx(xq, xo + 44))
+    i = _k4_dot(i, lo[4], _bx(xq, xo + 16), lo[6], _bx(xq, xo + 24))
+    j = _k4_dot(j, hi[4], _bx(xq, xo + 48), hi[6], _bx(xq, xo + 56))
+    i2 = _k4_dot(i2, lo[5], _bx(xq, xo + 20), lo[7], _bx(xq, xo + 28))
+    j2 = _k4_dot(j2, hi[5], _bx(xq, xo + 52), hi[7], _bx(xq, xo + 60))
+    return vadd(a, vadd(_k4_scaled(vadd(i, i2), sl), _k4_scaled(vadd(j, j2), sh)))
 
 
 @njit(fastmath=True, inline="always")
@@ -827,23 +869,25 @@ def _k4_chunk(w, q, xq, xo, k, nt, sl, sh, a0, a1, a2, a3):
     if nt > 1:  # 4 tokens, unpacked line by line (the chunk's 16 unpacked vectors held at once spill)
         for p in range(0, 512, 64):  # prefetches spread over the unit's chunks (see _PF_K4X16)
             prefetch(w, q + _PF_K4X16 + p)
-        z = splat(i32(0), 16)
+        z = _k4_zero()
         i0, j0, i1, j1, i2, j2, i3, j3 = z, z, z, z, z, z, z, z
-        for s in range(0, 8, 2):  # two lines at a time: pairs of sums of 4 (see _k4_token)
+        for s in range(0, 8, 2):  # two lines at a time
             v, u = ld(w, q + 64 * s, 64), ld(w, q + 64 * s + 64, 64)
             lo, hi, lu, hu = vand(v, 15), _hi4(v), vand(u, 15), _hi4(u)
             x = xo + 4 * s
-            i0 = dot8acc_small(i0, lo, _bx(xq, x), lu, _bx(xq, x + 4))
-            j0 = dot8acc_small(j0, hi, _bx(xq, x + 32), hu, _bx(xq, x + 36))
-            i1 = dot8acc_small(i1, lo, _bx(xq, x + k), lu, _bx(xq, x + k + 4))
-            j1 = dot8acc_small(j1, hi, _bx(xq, x + k + 32), hu, _bx(xq, x + k + 36))
-            i2 = dot8acc_small(i2, lo, _bx(xq, x + 2 * k), lu, _bx(xq, x + 2 * k + 4))
-            j2 = dot8acc_small(j2, hi, _bx(xq, x + 2 * k + 32), hu, _bx(xq, x + 2 * k + 36))
-            i3 = dot8acc_small(i3, lo, _bx(xq, x + 3 * k), lu, _bx(xq, x + 3 * k + 4))
-            j3 = dot8acc_small(j3, hi, _bx(xq, x + 3 * k + 32), hu, _bx(xq, x + 3 * k + 36))
-        # int32 throughout: the same sums as _k4_token's, whatever their order
-        return (vadd(a0, vadd(vmul(i0, sl), vmul(j0, sh))), vadd(a1, vadd(vmul(i1, sl), vmul(j1, sh))),
-                vadd(a2, vadd(vmul(i2, sl), vmul(j2, sh))), vadd(a3, vadd(vmul(i3, sl), vmul(j3, sh))))
+            i0 = _k4_dot(i0, lo, _bx(xq, x), lu, _bx(xq, x + 4))
+            j0 = _k4_dot(j0, hi, _bx(xq, x + 32), hu, _bx(xq, x + 36))
+            i1 = _k4_dot(i1, lo, _bx(xq, x + k), lu, _bx(xq, x + k + 4))
+            j1 = _k4_dot(j1, hi, _bx(xq, x + k + 32), hu, _bx(xq, x + k + 36))
+            i2 = _k4_dot(i2, lo, _bx(xq, x + 2 * k), lu, _bx(xq, x + 2 * k + 4))
+            j2 = _k4_dot(j2, hi, _bx(xq, x + 2 * k + 32), hu, _bx(xq, x + 2 * k + 36))
+            i3 = _k4_dot(i3, lo, _bx(xq, x + 3 * k), lu, _bx(xq, x + 3 * k + 4))
+            j3 = _k4_dot(j3, hi, _bx(xq, x + 3 * k + 32), hu, _bx(xq, x + 3 * k + 36))
+        # integers throughout: the same sums as _k4_token's, whatever their order
+        return (vadd(a0, vadd(_k4_scaled(i0, sl), _k4_scaled(j0, sh))),
+                vadd(a1, vadd(_k4_scaled(i1, sl), _k4_scaled(j1, sh))),
+                vadd(a2, vadd(_k4_scaled(i2, sl), _k4_scaled(j2, sh))),
+                vadd(a3, vadd(_k4_scaled(i3, sl), _k4_scaled(j3, sh))))
     v0, v1, v2, v3 = ld(w, q, 64), ld(w, q + 64, 64), ld(w, q + 128, 64), ld(w, q + 192, 64)
     v4, v5, v6, v7 = ld(w, q + 256, 64), ld(w, q + 320, 64), ld(w, q + 384, 64), ld(w, q + 448, 64)
     lo = (vand(v0, 15), vand(v1, 15), vand(v2, 15), vand(v3, 15), vand(v4, 15), vand(v5, 15), vand(v6, 15),
@@ -877,11 +921,11 @@ def _k4_finish(a, m03, m47, d, dmin, xd, bsum, bo, f):
 
 
 @njit(fastmath=True, inline="always")
-def _k4_scales32(w, u):
-    """The Q4_KX16 unit at byte u's 8 sub-block scales as int32 x 16 each, and its mins (k4x16_scales)."""
+def _k4_scales(w, u):
+    """The Q4_KX16 unit at byte u's 8 sub-block scales as _k4_scaled takes them (16 rows each), and
+    its mins (k4x16_scales)."""
     sc03, sc47, m03, m47 = k4x16_scales(w, u)
-    return (cvt(_SUB0(sc03), i32), cvt(_SUB1(sc03), i32), cvt(_SUB2(sc03), i32), cvt(_SUB3(sc03), i32),
-            cvt(_SUB0(sc47), i32), cvt(_SUB1(sc47), i32), cvt(_SUB2(sc47), i32), cvt(_SUB3(sc47), i32)), m03, m47
+    return _k4_widen(sc03, sc47), m03, m47
 
 
 @njit(fastmath=True, inline="always")
@@ -897,7 +941,7 @@ def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
         if nt > 1:
             for p in range(0, _K4Q, 64):
                 prefetch(w, u + _PF_K4X16 + p)
-        sc, m03, m47 = _k4_scales32(w, u)
+        sc, m03, m47 = _k4_scales(w, u)
         xo = t * k + 256 * b
         a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q, xq, xo, k, nt, sc[0], sc[1], zi, zi, zi, zi)
         a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q + 512, xq, xo + 64, k, nt, sc[2], sc[3], a0, a1, a2, a3)
@@ -920,13 +964,13 @@ def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
 
 @njit(fastmath=True, inline="always")
 def _k4_half(w, q, xq, xo, i, j):
-    """i, j + the low and high nibbles' sums of 4 of 4 lines of a Q4_KX16 chunk at q (a half: lines
+    """i, j + the low and high nibbles' sums of 4 lines of a Q4_KX16 chunk at q (a half: lines
     0-3 with the chunk's activations at xo, or 4-7 at xo + 16)."""
     v0, v1, v2, v3 = ld(w, q, 64), ld(w, q + 64, 64), ld(w, q + 128, 64), ld(w, q + 192, 64)
-    i = dot8acc_small(i, vand(v0, 15), _bx(xq, xo), vand(v2, 15), _bx(xq, xo + 8))
-    j = dot8acc_small(j, _hi4(v0), _bx(xq, xo + 32), _hi4(v2), _bx(xq, xo + 40))
-    i = dot8acc_small(i, vand(v1, 15), _bx(xq, xo + 4), vand(v3, 15), _bx(xq, xo + 12))
-    return i, dot8acc_small(j, _hi4(v1), _bx(xq, xo + 36), _hi4(v3), _bx(xq, xo + 44))
+    i = _k4_dot(i, vand(v0, 15), _bx(xq, xo), vand(v2, 15), _bx(xq, xo + 8))
+    j = _k4_dot(j, _hi4(v0), _bx(xq, xo + 32), _hi4(v2), _bx(xq, xo + 40))
+    i = _k4_dot(i, vand(v1, 15), _bx(xq, xo + 4), vand(v3, 15), _bx(xq, xo + 12))
+    return i, _k4_dot(j, _hi4(v1), _bx(xq, xo + 36), _hi4(v3), _bx(xq, xo + 44))
 
 
 @njit(fastmath=True, inline="always")
@@ -937,21 +981,21 @@ def _k4x16_pair(wa, ga, wb, gb, nsb, xq, k, xd, bsum, out, ca, cb):
     unit ran slower than one group: bench/RESULTS.md). Integer sums exact in any order, the
     floats in _k4x16_pass's: the same bits."""
     z = splat(f32(0), 16)
-    zi = splat(i32(0), 16)
+    zi, z4 = splat(i32(0), 16), _k4_zero()
     fa, fb = z, z
     for b in range(nsb):
         ua, ub = ga + _K4U * b, gb + _K4U * b
-        sa, ma03, ma47 = _k4_scales32(wa, ua)
-        sb, mb03, mb47 = _k4_scales32(wb, ub)
+        sa, ma03, ma47 = _k4_scales(wa, ua)
+        sb, mb03, mb47 = _k4_scales(wb, ub)
         aa, ab = zi, zi
         for ch in range(4):
             xo = 256 * b + 64 * ch
-            ia, ja = _k4_half(wa, ua + _K4Q + 512 * ch, xq, xo, zi, zi)
-            ib, jb = _k4_half(wb, ub + _K4Q + 512 * ch, xq, xo, zi, zi)
+            ia, ja = _k4_half(wa, ua + _K4Q + 512 * ch, xq, xo, z4, z4)
+            ib, jb = _k4_half(wb, ub + _K4Q + 512 * ch, xq, xo, z4, z4)
             ia, ja = _k4_half(wa, ua + _K4Q + 512 * ch + 256, xq, xo + 16, ia, ja)
             ib, jb = _k4_half(wb, ub + _K4Q + 512 * ch + 256, xq, xo + 16, ib, jb)
-            aa = vadd(aa, vadd(vmul(ia, sa[2 * ch]), vmul(ja, sa[2 * ch + 1])))
-            ab = vadd(ab, vadd(vmul(ib, sb[2 * ch]), vmul(jb, sb[2 * ch + 1])))
+            aa = vadd(aa, vadd(_k4_scaled(ia, sa[2 * ch]), _k4_scaled(ja, sa[2 * ch + 1])))
+            ab = vadd(ab, vadd(_k4_scaled(ib, sb[2 * ch]), _k4_scaled(jb, sb[2 * ch + 1])))
         fa = _k4_finish(aa, ma03, ma47, h2f(view(ld(wa, ua + _K4D, 32), np.uint16)),
                         h2f(view(ld(wa, ua + _K4D + 32, 32), np.uint16)), at(xd, b), bsum, 16 * b, fa)
         fb = _k4_finish(ab, mb03, mb47, h2f(view(ld(wb, ub + _K4D, 32), np.uint16)),
