@@ -676,12 +676,7 @@ def _scales_k6x16(wr, o):
 def _quants_k6x16(wr, o, c):
     """_quants_q6_k of a Q6_KX16 row (_k6x16_at): chunk c = 4 h + i, elements 128 h + 32 i + l."""
     w, u, r = _k6x16_at(wr, o)
-    h, i = c >> 2, c & 3
-    q = u + _K6P + 1536 * h + 4 * r
-    if i < 3:
-        v = _k6_row32(w, q + 256 * i)
-        return k6_quants(v, v, v, i)
-    return k6_quants(_k6_row32(w, q), _k6_row32(w, q + 256), _k6_row32(w, q + 512), 3)
+    return _k6_pick(w, u + _K6P + 1536 * (c >> 2) + 4 * r, c & 3, _k6_row32)
 
 
 @njit(inline="always")
@@ -702,12 +697,24 @@ def k6_scales(w, u, j):
 
 
 @njit(inline="always")
+def _k6_pick(w, q, i, load):
+    """Quants q_i (k6_quants) from the a, b, c bytes at q, q + 256, q + 512 as load(w, byte) gives
+    them: only the one that holds q_i for i < 3, all three for q_3."""
+    if i == 3:
+        return k6_quants(load(w, q), load(w, q + 256), load(w, q + 512), 3)
+    v = load(w, q + 256 * i)
+    return k6_quants(v, v, v, i)
+
+
+@njit(inline="always")
+def _line64(w, q):
+    return ld(w, q, 64)
+
+
+@njit(inline="always")
 def k6_line(w, q, i):
     """Quants q_i of 16 rows x 4 elements from the Q6_KX16 piece line at byte q (k6_quants)."""
-    if i == 3:
-        return k6_quants(ld(w, q, 64), ld(w, q + 256, 64), ld(w, q + 512, 64), 3)
-    v = ld(w, q + 256 * i, 64)
-    return k6_quants(v, v, v, i)
+    return _k6_pick(w, q, i, _line64)
 
 
 @njit(inline="always")
