@@ -48,8 +48,8 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
 from .simd import (_PMADDUBSW, _VPDPBUSD, PMADDUBSW_DOTS, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_biased,
                    dot4acc_small, dot8acc_biased, dot8acc_small, fma, fma_kept, hmax, hsum, lane, ld, ld_f16, madd,
-                   madd_acc, maddubs, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs, vadd, vmax,
-                   vmul, vmul_kept, vrint, vsub, h2f, vand, view, vshr, vxor, word, ZEN)
+                   madd_acc, maddubs, maddubs2_acc, mul_kept, opaque, prefetch, shuffler, shuffler2, splat, st, vabs,
+                   vadd, vmax, vmul, vmul_kept, vrint, vsub, h2f, vand, view, vshr, vxor, word, ZEN)
 
 SUPPORTED = qt.CPU_TYPES
 _FLOAT_TYPES = qt.FLOAT_TYPES
@@ -809,35 +809,23 @@ _DUP0, _DUP1, _DUP2, _DUP3 = (shuffler(*[16 * j + r for r in range(16) for _ in 
 # pmaddwd by ones, 4 paddd and a vpmulld (one token from L2 1.2x, streamed 1.0-1.1x, 2-8 tokens
 # 1.1-1.35x: bench/RESULTS.md; before the pairs of _k4x16_pair the same change measured 0.93x).
 # With vpdpbusd: int32 sums of 4 times the scales (vpmulld). Exact integers either way.
-if PMADDUBSW_DOTS:
+if PMADDUBSW_DOTS:  # intrinsics, not numba-inlined functions: each of those is retyped at every call site
+    _k4_dot, _k4_scaled = maddubs2_acc, madd
+
     @njit(inline="always")
     def _k4_zero():
         return splat(i16(0), 32)
-
-    @njit(inline="always")
-    def _k4_dot(s, a0, b0, a1, b1):
-        return vadd(s, vadd(maddubs(a0, b0), maddubs(a1, b1)))
-
-    @njit(inline="always")
-    def _k4_scaled(s, sc):
-        return madd(s, sc)
 
     @njit(inline="always")
     def _k4_widen(sc03, sc47):
         return (cvt(_DUP0(sc03), i16), cvt(_DUP1(sc03), i16), cvt(_DUP2(sc03), i16), cvt(_DUP3(sc03), i16),
                 cvt(_DUP0(sc47), i16), cvt(_DUP1(sc47), i16), cvt(_DUP2(sc47), i16), cvt(_DUP3(sc47), i16))
 else:
+    _k4_dot, _k4_scaled = dot8acc_small, vmul
+
     @njit(inline="always")
     def _k4_zero():
         return splat(i32(0), 16)
-
-    @njit(inline="always")
-    def _k4_dot(s, a0, b0, a1, b1):
-        return dot8acc_small(s, a0, b0, a1, b1)
-
-    @njit(inline="always")
-    def _k4_scaled(s, sc):
-        return vmul(s, sc)
 
     @njit(inline="always")
     def _k4_widen(sc03, sc47):

@@ -766,6 +766,15 @@ def _make_acc_products(ir_fn, doc):
     return one, two
 
 
+def _maddubs_sum_ir(builder, acc, pairs, n):
+    """acc (int16) + pmaddubsw's pair sums of each (a, b) in pairs: for sums the caller bounds
+    below 2**15 (small unsigned a)."""
+    for a, b in pairs:
+        acc = builder.add(acc, _maddubs_ir(builder, a, b, n))
+    return acc
+
+
+maddubs2_acc = _make_acc_products(_maddubs_sum_ir, "acc (int16) + pmaddubsw's pair sums of two pairs (a, b)")[1]
 dot4acc_small, dot8acc_small = _make_acc_products(
     _dot4_small_ir, "acc + dot4 of one pair (a < 128) or two (a < 64), pmaddubsw + pmaddwd where PMADDUBSW_DOTS")
 dot4acc_biased, dot8acc_biased = _make_acc_products(

@@ -406,7 +406,11 @@ def test_vector_primitives(monkeypatch, isa):
         simd.st(o_dot64, 0, simd.dot4(simd.ld(u8, 0, 64), simd.ld(i8, 0, 64)))
 
     @numba.njit
-    def small_products(u8, u7, i8, acc, o_s32, o_s64, o_p32, o_p64):  # quants < 128 / < 64 (pmaddubsw)
+    def small_products(u8, u7, i8, acc, acc16, o_s32, o_s64, o_p32, o_p64, o_m32, o_m64):  # quants < 128 / < 64
+        simd.st(o_m32, 0, simd.maddubs2_acc(simd.ld(acc16, 0, 16), simd.ld(u8, 0, 32), simd.ld(i8, 0, 32),
+                                            simd.ld(u8, 32, 32), simd.ld(i8, 32, 32)))
+        simd.st(o_m64, 0, simd.maddubs2_acc(simd.ld(acc16, 0, 32), simd.ld(u8, 0, 64), simd.ld(i8, 0, 64),
+                                            simd.ld(u8, 64, 64), simd.ld(i8, 64, 64)))
         simd.st(o_s32, 0, simd.dot4acc_small(simd.ld(acc, 0, 8), simd.ld(u7, 0, 32), simd.ld(i8, 0, 32)))
         simd.st(o_s64, 0, simd.dot4acc_small(simd.ld(acc, 0, 16), simd.ld(u7, 0, 64), simd.ld(i8, 0, 64)))
         simd.st(o_p32, 0, simd.dot8acc_small(simd.ld(acc, 0, 8), simd.ld(u8, 0, 32), simd.ld(i8, 0, 32),
@@ -457,13 +461,17 @@ def test_vector_primitives(monkeypatch, isa):
         u7 = rng.integers(0, 128, 64, dtype=np.uint8)
         u7[:2], u7[2:4] = 127, 127
         acc = rng.integers(-(2**20), 2**20, 16).astype(np.int32)
-        outs = [np.zeros(n, np.int32) for n in (8, 16, 8, 16)]
-        small_products(u8, u7, i8, acc, *outs)
+        acc16 = rng.integers(-500, 500, 32).astype(np.int16)  # plus 4 x 63 x -128: still an int16
+        outs = [np.zeros(n, np.int32) for n in (8, 16, 8, 16)] + [np.zeros(n, np.int16) for n in (16, 32)]
+        small_products(u8, u7, i8, acc, acc16, *outs)
+        w8 = u8.astype(np.int64)
+        pairs = lambda lo, hi: (w8[lo:hi] * i8[lo:hi]).reshape(-1, 2).sum(1)  # noqa: E731
+        np.testing.assert_array_equal(outs[4], acc16[:16] + pairs(0, 32) + pairs(32, 64))  # maddubs2_acc
+        np.testing.assert_array_equal(outs[5], acc16 + pairs(0, 64) + pairs(64, 128))
         p7 = (u7.astype(np.int64) * i8[:64]).reshape(-1, 4).sum(1)
         p8 = (u8.astype(np.int64) * i8).reshape(2, -1, 4).sum(2)  # the two pairs' sums of 4
         np.testing.assert_array_equal(outs[0], acc[:8] + p7[:8])
         np.testing.assert_array_equal(outs[1], acc + p7)
-        w8 = u8.astype(np.int64)
         np.testing.assert_array_equal(outs[2], acc[:8] + (w8[:32] * i8[:32] + w8[32:64] * i8[32:64]).reshape(-1, 4).sum(1))
         np.testing.assert_array_equal(outs[3], acc + p8[0] + p8[1])
         ub = rng.integers(0, 256, 128, dtype=np.uint8)  # every signed weight, -128 (0) and 0 (128) among them
