@@ -1581,16 +1581,15 @@ def _aligned(shape: tuple[int, int]) -> np.ndarray:
 def packable(qtype: int, shapes) -> bool:
     """Whether pack would repack a weight of this type whose parts have these (rows, row bytes):
     with AVX-512 VNNI or AVX2's pmaddubsw (not AVX-VNNI alone: its 256-bit vpdpbusd would run the
-    layout's 512-bit products in halves, unmeasured); Q6_K with AVX2's only (measured there: its
-    kernel is pmaddubsw's, not vpdpbusd's)."""
-    avx2 = not _VPDPBUSD and 32 in _PMADDUBSW  # (simd.PMADDUBSW_DOTS)
-    ok = avx2 if qtype == Q6_K else 64 in _VPDPBUSD or avx2
+    layout's 512-bit products in halves, unmeasured). Q6_KX16's kernel is pmaddubsw's on both (on
+    AVX-512 one token streams at 95-99% of a plain read where the GGUF rows reach 84-85%)."""
+    ok = 64 in _VPDPBUSD or (not _VPDPBUSD and 32 in _PMADDUBSW)  # (the latter: simd.PMADDUBSW_DOTS)
     return ok and all(x16_fits(qtype, *sh) for sh in shapes if sh[0])
 
 
 def pack(qw: QWeight, alloc=_aligned) -> QWeight:
     """qw in this machine's faster decode layout where there is one, else qw itself: Q4_0, Q4_1,
-    Q8_0 and Q4_K with AVX-512 VNNI or AVX2, Q6_K with AVX2 -> their X16 layout (layouts.py; every
+    Q8_0, Q4_K and Q6_K with AVX-512 VNNI or AVX2 -> their X16 layout (layouts.py; every
     part whole groups of 16 rows and pairs of blocks). The parts are new arrays from alloc(shape) (empty uint8, 64-byte
     aligned): the caller's may be released."""
     if not packable(qw.qtype, [p.shape for p in qw.ws]):

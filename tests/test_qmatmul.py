@@ -501,12 +501,8 @@ def test_vector_primitives(monkeypatch, isa):
 
 def _x16(monkeypatch, parts, name="Q4_0"):
     """parts (rows of a GGUF type) as one weight repacked by qmatmul.pack (on any ISA: its kernels
-    take the vector layer's fallbacks where AVX-512 VNNI is missing; Q6_K's layout is AVX2's)."""
-    if name == "Q6_K":
-        monkeypatch.setattr(qm, "_VPDPBUSD", {})
-        monkeypatch.setattr(qm, "_PMADDUBSW", {32: "test", **qm._PMADDUBSW})
-    else:
-        monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test", **qm._VPDPBUSD})
+    take the vector layer's fallbacks where AVX-512 VNNI is missing)."""
+    monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test", **qm._VPDPBUSD})
     qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
     packed = qm.pack(qw)
     assert packed.qtype == layouts.X16 + qw.qtype and packed.m == qw.m and packed.k == qw.k
@@ -560,15 +556,17 @@ def test_q4_0_repacked_fused_steps(monkeypatch):
 
 def test_q4_0_repack_only_whole_groups(monkeypatch):
     """pack leaves a weight as it is where the layout does not fit (rows not whole groups of 16, an
-    odd number of blocks, a type without one, Q6_K with AVX-512 VNNI) and with AVX-VNNI alone (256
-    bits); it packs with AVX2's pmaddubsw (Q6_K too)."""
+    odd number of blocks, a type without one) and with AVX-VNNI alone (256 bits); it packs with
+    AVX-512 VNNI and with AVX2's pmaddubsw (Q6_K too)."""
     rng = np.random.default_rng(25)
     monkeypatch.setattr(qm, "_VPDPBUSD", {64: "test"})
     for parts, name in (([random_raw("Q4_0", 16, 64, rng), random_raw("Q4_0", 8, 64, rng)], "Q4_0"),
                         ([random_raw("Q4_1", 32, 96, rng)], "Q4_1"), ([random_raw("Q4_K", 24, 256, rng)], "Q4_K"),
-                        ([random_raw("Q5_K", 32, 256, rng)], "Q5_K"), ([random_raw("Q6_K", 32, 256, rng)], "Q6_K")):
+                        ([random_raw("Q5_K", 32, 256, rng)], "Q5_K"), ([random_raw("Q6_K", 24, 256, rng)], "Q6_K")):
         qw = qm.QWeight(tuple(parts), BY_NAME[name].id)
         assert qm.pack(qw) is qw
+    q6 = qm.QWeight(random_raw("Q6_K", 32, 256, rng), BY_NAME["Q6_K"].id)
+    assert qm.pack(q6).qtype == layouts.X16 + q6.qtype
     monkeypatch.setattr(qm, "_VPDPBUSD", {32: "test"})
     qw = qm.QWeight(random_raw("Q4_0", 32, 64, rng), BY_NAME["Q4_0"].id)
     assert qm.pack(qw) is qw
@@ -577,6 +575,4 @@ def test_q4_0_repack_only_whole_groups(monkeypatch):
     assert qm.pack(qw).qtype == layouts.X16 + qw.qtype
     q8 = qm.QWeight(random_raw("Q8_0", 32, 64, rng), BY_NAME["Q8_0"].id)
     assert qm.pack(q8).qtype == layouts.X16 + q8.qtype
-    q6 = qm.QWeight(random_raw("Q6_K", 32, 256, rng), BY_NAME["Q6_K"].id)  # Q6_K: AVX2's layout only
     assert qm.pack(q6).qtype == layouts.X16 + q6.qtype
-    assert qm.pack(qm.QWeight(random_raw("Q6_K", 24, 256, rng), BY_NAME["Q6_K"].id)).qtype == q6.qtype
