@@ -1,8 +1,8 @@
 """The CPU backend: the numba kernels of kernels_cpu/ behind the backend interface.
 
 Weights stay as quantized GGUF blocks, never dequantized; in the memory map, except where a
-layout of the same bytes is faster: with AVX-512 VNNI or AVX2, Q4_0, Q4_1, Q8_0 and Q4_K matrices
-(on AVX2 Q6_K too) are repacked at load into 16 interleaved rows (qmatmul.pack; kernels_cpu/layouts.py),
+layout of the same bytes is faster: with AVX-512 VNNI or AVX2, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K
+matrices are repacked at load into 16 interleaved rows (qmatmul.pack; kernels_cpu/layouts.py),
 into anonymous memory, their pages of the map released so that the process holds one copy (as
 llama.cpp repacks Q4_0 online). That layout
 decodes several tokens for little more than one (batched decode). EDGEKV_WEIGHTS=map keeps every
