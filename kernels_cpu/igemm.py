@@ -37,7 +37,7 @@ from numba import njit, prange
 from .layouts import _OFF_IQ4_XS, _OFF_Q2_K, _OFF_Q3_K, _OFF_Q4_K, _OFF_Q5_K, _OFF_Q6_K, IQ4_NL, Q2_K, Q3_K, Q4_0
 from .layouts import (Q4_1, Q4_K, Q4_KX16, Q5_0, Q5_1, Q5_K, Q6_K, Q6_KX16, Q8_0, X16, _K4D, _K4Q, _K4U, _K6P, _K6U,
                       _NB_Q6_K, _each_block, _quants_k6x16, _scales_k6x16, k4x16_field, k6_line, k6_scales,
-                      x16_geometry, _tile_at, _tiles)
+                      x16_at, x16_geometry, _tile_at, _tiles)
 from .simd import (_VPDPBUSD, at, cat, cvt, dot4acc, fma, h2f, half, lane, ld, madd, maddubs, shuffler, splat, st,
                    vadd, vand, view, vmul, vshr, vsub, vxor)
 
@@ -266,8 +266,7 @@ def _unpack_x16(w, qtype, rb, r0, nr, k, u, s, mn):
         g = (r0 + 16 * h) * rb  # the group's first byte (rows past nr: zeros)
         live = 16 * h < nr
         for b in range(k // 32):
-            q = g + unit * (b // 2) + 16 * qb * (b % 2)
-            sc = g + unit * (b // 2) + 32 * qb + 32 * (b % 2)
+            sc, q = x16_at(g + unit * (b // 2), b % 2, qb, has_min)
             for j in range(qb // 4):
                 v = view(ld(w, q + 64 * j, 64), np.uint32) if live else zu
                 if qb == 32:

@@ -44,7 +44,7 @@ from .layouts import (_NB_IQ4_NL, _NB_IQ4_XS, _NB_Q2_K, _NB_Q3_K, _NB_Q4_0, _NB_
                       _scales_iq4_xs, _scales_k4_dot, _scales_q2_k, _scales_q3_k, _scales_q6_k, _tile_at, _tiles,
                       X16, Q4_0X16, Q4_1X16, Q8_0X16, Q4_KX16, Q6_KX16, _K4D, _K4Q, _K4U, _K6P, _K6U, k4x16_block,
                       k4x16_scales, k6_line, k6_scales, _quants_k6x16, _scales_k6x16, repack_x16, repack_x16_k4,
-                      repack_x16_k6, x16_block, x16_fits, x16_geometry)
+                      repack_x16_k6, x16_at, x16_block, x16_fits, x16_geometry)
 from .ops import _KERNEL, _gelu_mul_1d, _rmsnorm_row, _silu_mul_1d
 from .simd import (_PMADDUBSW, _VPDPBUSD, PMADDUBSW_DOTS, add_kept, at, cat, cvt, dot4, dot4acc, dot4acc_biased,
                    dot4acc_small, dot8acc_biased, dot8acc_small, fma, fma_kept, hmax, hsum, lane, ld, ld_f16, madd,
@@ -593,10 +593,10 @@ def _hi4(v):
 @njit(fastmath=True)
 def _x16_half(w, o, h, qb, has_min, xq, k, xd, xsum, xoff, t, nb, b, nt, f0, f1, f2, f3):
     """Block b (= h of the unit at byte o) of the group for the tile's nt tokens."""
-    sc = o + 32 * qb + 32 * h
+    sc, q = x16_at(o, h, qb, has_min)
     ds = h2f(view(ld(w, sc, 32), np.uint16))
     ms = h2f(view(ld(w, sc + 64, 32), np.uint16)) if has_min else ds
-    v = _x16_quants(w, o + 16 * qb * h, qb)
+    v = _x16_quants(w, q, qb)
     f0 = _x16_token(v, ds, ms, xq, t * k + 32 * b, xd, xsum, xoff, t * nb + b, f0, has_min, qb == 16)
     if nt > 1:
         f1 = _x16_token(v, ds, ms, xq, (t + 1) * k + 32 * b, xd, xsum, xoff, (t + 1) * nb + b, f1, has_min,
@@ -658,14 +658,15 @@ def _x16_q8_rows8(w, o, h, r, xq, k, xd, xoff, t, nb, b, f0, f1):
     8 vectors held for the tokens spilled the 16 ymm: 0.8-0.9 ms a token for 49152 x 576, whatever
     the batch, bench/RESULTS.md). Then _x16_token's float steps: the same bits per row."""
     qb = x16_geometry(Q8_0X16)[0]
-    q = o + 16 * qb * h + 32 * r
+    sc, q = x16_at(o, h, qb, False)
+    sc, q = sc + 16 * r, q + 32 * r
     xo, bt = t * k + 32 * b, t * nb + b
     i0, i1 = splat(at(xoff, bt), 8), splat(at(xoff, bt + nb), 8)
     for s in range(0, 32, 4):
         u = vxor(ld(w, q + 16 * s, 32), 128)  # quad s / 4 of the 8 rows as int8 + 128 (_x16_quants)
         i0 = dot4acc_biased(i0, u, _bx8(xq, xo + s))
         i1 = dot4acc_biased(i1, u, _bx8(xq, xo + k + s))
-    ds = h2f(view(ld(w, o + 32 * qb + 32 * h + 16 * r, 16), np.uint16))
+    ds = h2f(view(ld(w, sc, 16), np.uint16))
     f0 = fma_kept(cvt(i0, f32), vmul_kept(ds, splat(at(xd, bt), 8)), f0)
     return f0, fma_kept(cvt(i1, f32), vmul_kept(ds, splat(at(xd, bt + nb), 8)), f1)
 
@@ -696,11 +697,11 @@ def _x16_nib_rows8(w, o, h, r, has_min, xq, k, xd, xsum, xoff, t, nb, b, f0, f1,
     tokens, each token's pmaddubsw added in int16 and one pmaddwd (as _dots32), then _x16_token's
     float steps: the same bits per row."""
     qb = x16_geometry(Q4_0X16)[0]  # (Q4_1X16's too)
-    q = o + 16 * qb * h + 32 * r
+    sc, q = x16_at(o, h, qb, has_min)
+    sc, q = sc + 16 * r, q + 32 * r
     u0, u1, u2, u3 = ld(w, q, 32), ld(w, q + 64, 32), ld(w, q + 128, 32), ld(w, q + 192, 32)
     v0, v1, v2, v3 = vand(u0, 15), vand(u1, 15), vand(u2, 15), vand(u3, 15)
     v4, v5, v6, v7 = _hi4(u0), _hi4(u1), _hi4(u2), _hi4(u3)
-    sc = o + 32 * qb + 32 * h + 16 * r
     ds = h2f(view(ld(w, sc, 16), np.uint16))
     ms = h2f(view(ld(w, sc + 64, 16), np.uint16)) if has_min else ds
     xo, bt = t * k + 32 * b, t * nb + b
