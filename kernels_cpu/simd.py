@@ -433,6 +433,7 @@ vor = _make_binop(None, "or_")
 vxor = _make_binop(None, "xor")
 vshr = _make_binop(None, "lshr")  # logical shift: use on unsigned lanes
 vshl = _make_binop(None, "shl")
+vsar = _make_binop(None, "ashr")  # arithmetic shift: signed lanes
 
 
 def _make_float_fn(name, doc):
