@@ -542,8 +542,17 @@ def _x16_token(v, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min, small):
     b0, b1, b2, b3 = _bx(xq, xo), _bx(xq, xo + 4), _bx(xq, xo + 8), _bx(xq, xo + 12)
     b4, b5, b6, b7 = _bx(xq, xo + 16), _bx(xq, xo + 20), _bx(xq, xo + 24), _bx(xq, xo + 28)
     i = _dots32(small, splat(at(xoff, bt), 16), v, b0, b1, b2, b3, b4, b5, b6, b7)
-    f = fma_kept(cvt(i, f32), vmul_kept(ds, splat(at(xd, bt), 16)), f)
-    return fma_kept(ms, splat(at(xsum, bt), 16), f) if has_min else f
+    return _x16_scale(i, ds, ms, xd, xsum, bt, f, has_min)
+
+
+@njit(fastmath=True, inline="always")
+def _x16_scale(i, ds, ms, xd, xsum, bt, f, has_min):
+    """f + a block's integer sums i (a lane a row) times the rows' scales ds and the token's xd[bt]
+    (and Q4_1's mins ms times xsum[bt]): the float step of the Q4_0X16 / Q4_1X16 loops, AVX-512
+    and AVX2, so each token gets the same bits whichever loop ran it (fma_kept, vmul_kept: one
+    rounding each, no reassociation)."""
+    f = fma_kept(cvt(i, f32), vmul_kept(ds, at(xd, bt)), f)
+    return fma_kept(ms, at(xsum, bt), f) if has_min else f
 
 
 @njit(inline="always")
@@ -603,9 +612,7 @@ def _x16_nib16(w, q, ds, ms, xq, xo, xd, xsum, xoff, bt, f, has_min):
     lo = dot8acc_small(lo, vand(u2, 15), _bx(xq, xo + 8), vand(u3, 15), _bx(xq, xo + 12))
     hi = dot8acc_small(splat(i32(0), 16), vand(u0, 240), _bx(xq, xo + 16), vand(u1, 240), _bx(xq, xo + 20))
     hi = dot8acc_small(hi, vand(u2, 240), _bx(xq, xo + 24), vand(u3, 240), _bx(xq, xo + 28))
-    i = vadd(lo, vsar(hi, 4))
-    f = fma_kept(cvt(i, f32), vmul_kept(ds, splat(at(xd, bt), 16)), f)
-    return fma_kept(ms, splat(at(xsum, bt), 16), f) if has_min else f
+    return _x16_scale(vadd(lo, vsar(hi, 4)), ds, ms, xd, xsum, bt, f, has_min)
 
 
 @njit(fastmath=True)
@@ -740,8 +747,7 @@ def _x16_q4_tok8(v0, v1, v2, v3, v4, v5, v6, v7, ds, ms, has_min, xq, xo, xd, xs
                     _bx8(xq, xo + 12), _bx8(xq, xo + 16), _bx8(xq, xo + 20), _bx8(xq, xo + 24), _bx8(xq, xo + 28)),
              splat(i16(1), 16))
     i = i if has_min else vadd(i, splat(at(xoff, bt), 8))  # (Q4_1's xoff is 0)
-    f = fma_kept(cvt(i, f32), vmul_kept(ds, splat(at(xd, bt), 8)), f)
-    return fma_kept(ms, splat(at(xsum, bt), 8), f) if has_min else f
+    return _x16_scale(i, ds, ms, xd, xsum, bt, f, has_min)
 
 
 @njit(inline="always")

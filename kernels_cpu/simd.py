@@ -508,15 +508,18 @@ def fma(typingctx, a, b, c):
 @intrinsic
 def fma_kept(typingctx, a, b, c):
     """a * b + c rounded once (llvm.fma): LLVM may neither reassociate it nor choose which product
-    of a sum to fuse, so a kernel inlined in another loop keeps its bits (see vmul_kept)."""
-    if not (isinstance(a, Vec) and a == b == c and isinstance(a.dtype, types.Float)):
+    of a sum to fuse, so a kernel inlined in another loop keeps its bits (see vmul_kept). A scalar
+    b is broadcast in a's type."""
+    if not (isinstance(a, Vec) and a == c and isinstance(a.dtype, types.Float)
+            and (b == a or b == a.dtype)):
         return None
 
     def codegen(context, builder, sig, args):
         ty = args[0].type
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]),
                                             f"llvm.fma.v{ty.count}{'f32' if str(ty.element) == 'float' else 'f64'}")
-        return builder.call(fn, list(args))
+        y = args[1] if isinstance(sig.args[1], Vec) else _splat_ir(builder, args[1], a.n)
+        return builder.call(fn, [args[0], y, args[2]])
 
     return a(a, b, c), codegen
 
