@@ -1246,18 +1246,13 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
 
 @njit(fastmath=True)
 def _dot_pair(qtype, wa, ra, wb, r2, rb, k, xq, xd, xsum, bsum, xoff, out, ca, cb):
-    """One token, two groups of 16 rows of an X16 type at once (_x16_pair, _k4x16_pair): rows ra..
-    of wa to columns ca + ra.., rows r2.. of wb to cb + r2.. (rb bytes a row)."""
+    """One token, two groups of 16 rows of Q4_KX16 / Q6_KX16 at once (_k4x16_pair, _k6x16_pair):
+    rows ra.. of wa to columns ca + ra.., rows r2.. of wb to cb + r2.. (rb bytes a row). The
+    other X16 types' pairs are inlined in _qmatvec."""
     if qtype == Q4_KX16:
         _k4x16_pair(wa, ra * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, ca + ra, cb + r2)
-    elif qtype == Q6_KX16:
-        _k6x16_pair(wa, ra * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, ca + ra, cb + r2)
-    elif qtype == Q4_0X16:
-        _x16_pair(wa, ra * rb, wb, r2 * rb, k // 32, Q4_0X16, xq, k, xd, xsum, xoff, out, ca + ra, cb + r2)
-    elif qtype == Q4_1X16:
-        _x16_pair(wa, ra * rb, wb, r2 * rb, k // 32, Q4_1X16, xq, k, xd, xsum, xoff, out, ca + ra, cb + r2)
     else:
-        _x16_pair(wa, ra * rb, wb, r2 * rb, k // 32, Q8_0X16, xq, k, xd, xsum, xoff, out, ca + ra, cb + r2)
+        _k6x16_pair(wa, ra * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, ca + ra, cb + r2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1427,15 +1422,28 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     # Q4_0, 2 threads: ~50 vs ~44 GB/s where a plain read gives ~53; bench/RESULTS.md), when
     # they take turns every 256 bytes or so (Q4_KX16: _k4x16_pair).
     half = (tiles + 1) // 2 if n == 1 and qtype > X16 else tiles
+    # The parts flattened once, and the one-token X16 pair loops inlined in the parallel loop
+    # itself (not behind _dot_pair's call): a reshape per item is a helper call that the loop
+    # cannot hoist. 7B Q4_0 decode's matrices, layer by layer in turn: 0.78 -> 0.87 of the read
+    # (bench/RESULTS.md). (Q4_KX16 / Q6_KX16's pair loops do not inline in a parfor: numba's
+    # array analysis fails on them.)
+    w0, w1, w2 = ws[0].reshape(-1), ws[1].reshape(-1), ws[2].reshape(-1)
     for item in prange(half):
         p, col, r0, nr = _tile_at(item, m0, m1, m2, _CHUNK, col0)
+        wa = w0 if p == 0 else (w1 if p == 1 else w2)
         if half < tiles and item + half < tiles:
             p2, col2, r2, _ = _tile_at(item + half, m0, m1, m2, _CHUNK, col0)
-            wa, wb = ws[p], ws[p2]
-            _dot_pair(qtype, wa.reshape(-1), r0, wb.reshape(-1), r2, rb, k, xq, xd, xsum, bsum, xoff, out, col, col2)
+            wb = w0 if p2 == 0 else (w1 if p2 == 1 else w2)
+            if qtype == Q4_0X16:
+                _x16_pair(wa, r0 * rb, wb, r2 * rb, nb, Q4_0X16, xq, k, xd, xsum, xoff, out, col + r0, col2 + r2)
+            elif qtype == Q4_1X16:
+                _x16_pair(wa, r0 * rb, wb, r2 * rb, nb, Q4_1X16, xq, k, xd, xsum, xoff, out, col + r0, col2 + r2)
+            elif qtype == Q8_0X16:
+                _x16_pair(wa, r0 * rb, wb, r2 * rb, nb, Q8_0X16, xq, k, xd, xsum, xoff, out, col + r0, col2 + r2)
+            else:
+                _dot_pair(qtype, wa, r0, wb, r2, rb, k, xq, xd, xsum, bsum, xoff, out, col, col2)
         else:
-            w = ws[p]
-            _dot_rows(qtype, w.reshape(-1), rb, r0, r0 + nr, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
+            _dot_rows(qtype, wa, rb, r0, r0 + nr, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
     if res.shape[0]:
         _epilogue(out, col0, m0 + m1 + ws[2].shape[0], eps, res, post_w)
 
