@@ -1424,9 +1424,9 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     half = (tiles + 1) // 2 if n == 1 and qtype > X16 else tiles
     # The parts flattened once, and the one-token X16 pair loops inlined in the parallel loop
     # itself (not behind _dot_pair's call): a reshape per item is a helper call that the loop
-    # cannot hoist. 7B Q4_0 decode's matrices, layer by layer in turn: 0.78 -> 0.87 of the read
-    # (bench/RESULTS.md). (Q4_KX16 / Q6_KX16's pair loops do not inline in a parfor: numba's
-    # array analysis fails on them.)
+    # cannot hoist. 7B Q4_0 decode's matrices, old loop and this one layer by layer in turn:
+    # 0.92 -> 0.99 of the read (bench/RESULTS.md). (Q4_KX16 / Q6_KX16's pair loops do not
+    # inline in a parfor: numba's array analysis fails on them.)
     w0, w1, w2 = ws[0].reshape(-1), ws[1].reshape(-1), ws[2].reshape(-1)
     for item in prange(half):
         p, col, r0, nr = _tile_at(item, m0, m1, m2, _CHUNK, col0)
