@@ -937,14 +937,6 @@ def _k4_finish(a, m03, m47, d, dmin, xd, bsum, bo, f):
 
 
 @njit(fastmath=True, inline="always")
-def _k4_scales(w, u):
-    """The Q4_KX16 unit at byte u's 8 sub-block scales as _k4_scaled takes them (16 rows each), and
-    its mins (k4x16_scales)."""
-    sc03, sc47, m03, m47 = k4x16_scales(w, u)
-    return _k4_widen(sc03, sc47), m03, m47
-
-
-@njit(fastmath=True, inline="always")
 def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
     """out[t : t + nt, c : c + 16] for the Q4_KX16 group at byte g0 (nsb units) and nt (1 or 4)
     tokens from t; each token's floats in the same order whatever nt is (one set of bits)."""
@@ -957,7 +949,8 @@ def _k4x16_pass(w, g0, nsb, xq, k, xd, bsum, t, nt, out, c):
         if nt > 1:
             for p in range(0, _K4Q, 64):
                 prefetch(w, u + _PF_K4X16 + p)
-        sc, m03, m47 = _k4_scales(w, u)
+        sc03, sc47, m03, m47 = k4x16_scales(w, u)
+        sc = _k4_widen(sc03, sc47)  # 8 sub-blocks' scales as _k4_scaled takes them (16 rows each)
         xo = t * k + 256 * b
         a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q, xq, xo, k, nt, sc[0], sc[1], zi, zi, zi, zi)
         a0, a1, a2, a3 = _k4_chunk(w, u + _K4Q + 512, xq, xo + 64, k, nt, sc[2], sc[3], a0, a1, a2, a3)
@@ -1001,8 +994,11 @@ def _k4x16_pair(wa, ga, wb, gb, nsb, xq, k, xd, bsum, out, ca, cb):
     fa, fb = z, z
     for b in range(nsb):
         ua, ub = ga + _K4U * b, gb + _K4U * b
-        sa, ma03, ma47 = _k4_scales(wa, ua)
-        sb, mb03, mb47 = _k4_scales(wb, ub)
+        # unpacked here, widened apart: a nested tuple unpacked fails numba's array analysis when
+        # this loop is inlined in _qmatvec's parfor ("Dimension mismatch")
+        sa03, sa47, ma03, ma47 = k4x16_scales(wa, ua)
+        sb03, sb47, mb03, mb47 = k4x16_scales(wb, ub)
+        sa, sb = _k4_widen(sa03, sa47), _k4_widen(sb03, sb47)
         aa, ab = zi, zi
         # a rolled loop (the scales' tuple indexed at run time): unrolled, the same work streamed
         # at half the speed on a Zen 3 core (bench/RESULTS.md, "AVX2, eighth session")
@@ -1244,17 +1240,6 @@ def _dot_rows(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
         _dot_rows_k(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col)
 
 
-@njit(fastmath=True)
-def _dot_pair(qtype, wa, ra, wb, r2, rb, k, xq, xd, xsum, bsum, xoff, out, ca, cb):
-    """One token, two groups of 16 rows of Q4_KX16 / Q6_KX16 at once (_k4x16_pair, _k6x16_pair):
-    rows ra.. of wa to columns ca + ra.., rows r2.. of wb to cb + r2.. (rb bytes a row). The
-    other X16 types' pairs are inlined in _qmatvec."""
-    if qtype == Q4_KX16:
-        _k4x16_pair(wa, ra * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, ca + ra, cb + r2)
-    else:
-        _k6x16_pair(wa, ra * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, ca + ra, cb + r2)
-
-
 # ---------------------------------------------------------------------------------------------
 # Row dequantization (prefill tiles, get_rows): dst[at : at + k] = float weights of the row at
 # byte ro of w.
@@ -1423,10 +1408,9 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
     # they take turns every 256 bytes or so (Q4_KX16: _k4x16_pair).
     half = (tiles + 1) // 2 if n == 1 and qtype > X16 else tiles
     # The parts flattened once, and the one-token X16 pair loops inlined in the parallel loop
-    # itself (not behind _dot_pair's call): a reshape per item is a helper call that the loop
+    # itself (not behind a helper's call): a reshape per item is a helper call that the loop
     # cannot hoist. 7B Q4_0 decode's matrices, old loop and this one layer by layer in turn:
-    # 0.92 -> 0.99 of the read (bench/RESULTS.md). (Q4_KX16 / Q6_KX16's pair loops do not
-    # inline in a parfor: numba's array analysis fails on them.)
+    # 0.92 -> 0.99 of the read (bench/RESULTS.md).
     w0, w1, w2 = ws[0].reshape(-1), ws[1].reshape(-1), ws[2].reshape(-1)
     for item in prange(half):
         p, col, r0, nr = _tile_at(item, m0, m1, m2, _CHUNK, col0)
@@ -1440,8 +1424,10 @@ def _qmatvec(x, ws, qtype, out, col0, pre, pre_w, eps, res, post_w):
                 _x16_pair(wa, r0 * rb, wb, r2 * rb, nb, Q4_1X16, xq, k, xd, xsum, xoff, out, col + r0, col2 + r2)
             elif qtype == Q8_0X16:
                 _x16_pair(wa, r0 * rb, wb, r2 * rb, nb, Q8_0X16, xq, k, xd, xsum, xoff, out, col + r0, col2 + r2)
+            elif qtype == Q4_KX16:
+                _k4x16_pair(wa, r0 * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, col + r0, col2 + r2)
             else:
-                _dot_pair(qtype, wa, r0, wb, r2, rb, k, xq, xd, xsum, bsum, xoff, out, col, col2)
+                _k6x16_pair(wa, r0 * rb, wb, r2 * rb, k // 256, xq, k, xd, bsum, out, col + r0, col2 + r2)
         else:
             _dot_rows(qtype, wa, rb, r0, r0 + nr, k, n, xf, xq, xd, xsum, bsum, xoff, out, col)
     if res.shape[0]:
