@@ -329,3 +329,20 @@ def test_weights_a_backend_repacks_or_copies_share_chunks_on_huge_pages():
     del b
     gc.collect()
     assert chunk() is None
+
+
+def test_keep_freed_memory(monkeypatch):
+    """The CPU backend asks glibc to keep freed blocks (prefill's activation arrays are not faulted
+    in again every layer): applied where glibc's mallopt exists, left to the user when any MALLOC_*
+    variable is set."""
+    import platform
+
+    from edgekv.backends import cpu
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert cpu.keep_freed_memory() is False
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    for k in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k)
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert cpu.keep_freed_memory() is True
