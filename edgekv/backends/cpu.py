@@ -248,7 +248,7 @@ class CPUBackend(AttentionStep):
         import numba
 
         self.threads = _init_numba(threads)  # the most threads a forward pass uses
-        self.kept_freed = keep_freed_memory()
+        keep_freed_memory()  # process-wide, idempotent: prefill's activation arrays stay mapped
         workqueue = numba.config.THREADING_LAYER in ("default", "workqueue")  # "default": no OpenMP, no TBB
         self.serial = _WORKQUEUE_LOCK if workqueue else contextlib.nullcontext()
         self.auto_threads = threads is None  # None: fewer while other programs keep cores busy
