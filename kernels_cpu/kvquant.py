@@ -493,6 +493,11 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
     n_obs = sc.shape[0]  # the last n_obs queries write their scores (kv_attention's scores)
     obs0 = q.shape[0] - n_obs
     n_res = rpos.shape[0]
+    qmin = q_pos[i0]
+    qmax = q_pos[i0]
+    for i in range(i0, i1):
+        qmin = min(qmin, q_pos[i])
+        qmax = max(qmax, q_pos[i])
     for g in range(g0, g1):
         for r in range(rows):
             for c in range(hd):
@@ -502,23 +507,9 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
         for i in range(i0, i1):
             for hh in range(grp):
                 r = (i - i0) * grp + hh
-                if kind == _INT4:  # kernel order: a gather
-                    for c in range(hd):
-                        qb[r, c] = q[i, g * grp + hh, perm[c]] * scale
-                    if has_sink:
-                        for c in range(hd):
-                            qs[r, c] = q_sink[i, g * grp + hh, perm[c]] * scale
-                else:  # the original order: contiguous rows, vector loops
-                    for c in range(hd):
-                        qb[r, c] = q[i, g * grp + hh, c] * scale
-                    if has_sink:
-                        for c in range(hd):
-                            qs[r, c] = q_sink[i, g * grp + hh, c] * scale
-        qmin = q_pos[i0]
-        qmax = q_pos[i0]
-        for i in range(i0, i1):
-            qmin = min(qmin, q_pos[i])
-            qmax = max(qmax, q_pos[i])
+                _start_row(q[i, g * grp + hh], scale, perm, qb[r])
+                if has_sink:
+                    _start_row(q_sink[i, g * grp + hh], scale, perm, qs[r])
         j = j0
         while j < j1:
             # source of this tile: 0 the quantized ring, 1 the exact recent slots, 2 fresh keys
@@ -693,6 +684,17 @@ def _attn_block(kind, q, q_sink, q_pos, kh, kb, ks, vh, vb, vs, pos, n_sink, fk,
 
 
 @njit(inline="always", **_KERNEL)
+def _start_row(src, scale_by, perm, dst):
+    """dst = src * scale_by gathered into kernel order (_finish_row's inverse)."""
+    if perm[1] == 1:  # the original order (every kind but int4's): a vector loop, not a gather
+        for c in range(dst.shape[0]):
+            dst[c] = src[c] * scale_by
+    else:
+        for c in range(dst.shape[0]):
+            dst[c] = src[perm[c]] * scale_by
+
+
+@njit(inline="always", **_KERNEL)
 def _finish_row(src, scale_by, perm, v_rotated, B, out, i, h):
     """out[i, h] = src * scale_by scattered to original order, then un-rotated."""
     if perm[1] == 1:  # the original order (every kind but int4's): a vector loop, not a scatter
@@ -742,8 +744,9 @@ def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, w
     while n_ring > 0 and pos[n_ring - 1] < 0:
         n_ring -= 1
     n_all = n_ring + X[2].shape[0] + fk.shape[0]
+    n_head_kv = fk.shape[1]
     nqb = (n + bq - 1) // bq
-    tasks = nqb * fk.shape[1]
+    tasks = nqb * n_head_kv  # (query block, kv head) pairs: what the split below counts
     parallel = n * n_head * n_all * hd >= par_min and threads > 1
     # too few (query block, kv head) tasks to keep the threads busy: split the keys too, into
     # SPLIT_TASKS tasks in all where the keys allow. The split depends on the problem alone,
@@ -761,7 +764,6 @@ def _attn_core(kind, q, q_sink, q_pos, K, V, pos, n_sink, fk, fv, fpos, scale, w
     # heads go hpt to a task, all of them on one thread, an equal share per thread otherwise
     # (7B's 32 heads, 9 keys, f16: 41 -> 20 us). Each head's sums are the same whoever runs
     # it, and the split above counted single heads: the same bits for any grouping.
-    n_head_kv = fk.shape[1]
     hpt = 1 if nqb > 1 else (n_head_kv if not parallel else -(-n_head_kv // threads))
     tasks = nqb * -(-n_head_kv // hpt)
     if parallel:
