@@ -14,7 +14,7 @@ The kernels' signatures do not depend on the model (quant types and cache kinds 
 arguments), so the groups run on tiny synthetic weights and `edgekv warmup` needs no model;
 tests/test_warmup.py checks that real chats on both models then compile nothing.
 
-    python -m edgekv.warmup GROUP    # what a worker runs: compile one group, exit
+    python -m edgekv.warmup GROUP    # compile one group, exit (what a worker runs, see _worker_cmd)
 """
 from __future__ import annotations
 
@@ -268,6 +268,17 @@ def _no_sigint():
             raise KeyboardInterrupt
 
 
+def _worker_cmd(group: str) -> list[str]:
+    """A worker's command line: this very edgekv package first on its path. `python -m
+    edgekv.warmup` would put the working directory first, and `pip install . && edgekv chat`
+    runs in the source tree, whose edgekv/ lacks kernels_cpu (package-dir maps it at install):
+    every worker failed at import and the chat compiled everything itself, one group after
+    another."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
+            f"from edgekv.warmup import run_group; run_group({group!r})"]
+
+
 def _compile_in_workers(bar: _Bar, n_workers: int) -> None:
     """Run GROUPS in child processes, n_workers at a time, a group once the groups it calls are done."""
     est = {g[0]: g[2] for g in GROUPS}
@@ -279,7 +290,7 @@ def _compile_in_workers(bar: _Bar, n_workers: int) -> None:
                 if len(running) < n_workers and all(d in done for d in g[3]):
                     waiting.remove(g)
                     with _no_sigint():  # a Ctrl-C inside Popen would leave its child unknown here
-                        running[g[0]] = (subprocess.Popen([sys.executable, "-m", "edgekv.warmup", g[0]], env=env,
+                        running[g[0]] = (subprocess.Popen(_worker_cmd(g[0]), env=env,
                                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                           stderr=subprocess.DEVNULL, start_new_session=True),
                                          time.perf_counter(), g[1])

@@ -165,3 +165,17 @@ def test_stale_kernel_cache_is_dropped(tmp_path):
     stamp.write_text("hash of other sources")
     subprocess.run(imp, env=env, check=True)
     assert not old.exists() and stamp.read_text() != "hash of other sources"
+
+
+def test_worker_imports_this_edgekv_whatever_the_working_directory(tmp_path):
+    """`pip install . && edgekv chat` runs in the source tree, whose edgekv/ is not the
+    installed package (kernels_cpu sits beside it): a worker must import the parent's edgekv,
+    not the one in its working directory. A decoy package there that fails on import."""
+    from edgekv import warmup
+
+    warmup.prepare(progress=False)  # the disk cache warm: the worker only loads its kernels
+    (tmp_path / "edgekv").mkdir()
+    (tmp_path / "edgekv" / "__init__.py").write_text("raise SystemExit('the decoy edgekv was imported')\n")
+    out = subprocess.run(warmup._worker_cmd("matvec"), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
