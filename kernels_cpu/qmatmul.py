@@ -795,22 +795,36 @@ def _x16_store8(out, t, c, lo, hi):
         out[t, c + i], out[t, c + 8 + i] = lane(lo, i), lane(hi, i)
 
 
+# Defined for the machine at import: numba types and inlines a branch that cannot run all the same,
+# and the AVX2 passes inlined at _rows_x16's three sites were half of _qmatvec's cold compile
+# where vpdpbusd makes them dead (bench/RESULTS.md, "Compile time").
+if PMADDUBSW_DOTS:
+    @njit(fastmath=True, inline="always")
+    def _x16_avx2_first(w, g0, nb, qtype, n, xq, k, xd, xsum, xoff, out, c):
+        """AVX2's own passes over a group, before _x16_pass takes the rest: Q8_0X16 in pairs of
+        tokens (_x16_q8_pair), Q4_0X16 / Q4_1X16 in fours (_x16_nib_quads). Returns the tokens done."""
+        t = 0
+        if qtype == Q8_0X16:
+            while t + 2 <= n:
+                _x16_q8_pair(w, g0, nb, xq, k, xd, xoff, t, out, c)
+                t += 2
+        elif n >= 4:
+            t = n - n % 4
+            _x16_nib_quads(w, g0, nb, qtype == Q4_1X16, xq, k, xd, xsum, xoff, t, out, c)
+        return t
+else:
+    @njit(inline="always")
+    def _x16_avx2_first(w, g0, nb, qtype, n, xq, k, xd, xsum, xoff, out, c):
+        return 0  # vpdpbusd: _x16_pass takes every token
+
+
 @njit(fastmath=True, inline="always")
 def _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, qtype):
     """An X16 type (layouts.py): rows r0 .. r1 - 1 (whole groups of 16) for the n tokens, _X16_TOK
-    at a time, then 2, then 1 (on AVX2 first Q8_0 in pairs, _x16_q8_pair; Q4_0 and Q4_1 in fours,
-    _x16_nib_quads)."""
+    at a time, then 2, then 1 (on AVX2 first Q8_0 in pairs, Q4_0 and Q4_1 in fours: _x16_avx2_first)."""
     nb = k // 32
-    q8 = PMADDUBSW_DOTS and qtype == Q8_0X16  # AVX2: Q8_0 in pairs of tokens, _x16_q8_pair
-    q4 = PMADDUBSW_DOTS and n >= 4 and qtype != Q8_0X16  # AVX2: Q4_0 / Q4_1 in fours, _x16_nib_quads
     for g in range(r0, r1, 16):
-        t = 0
-        while q8 and t + 2 <= n:
-            _x16_q8_pair(w, g * rb, nb, xq, k, xd, xoff, t, out, col + g)
-            t += 2
-        if q4:
-            t = n - n % 4
-            _x16_nib_quads(w, g * rb, nb, qtype == Q4_1X16, xq, k, xd, xsum, xoff, t, out, col + g)
+        t = _x16_avx2_first(w, g * rb, nb, qtype, n, xq, k, xd, xsum, xoff, out, col + g)
         while t + _X16_TOK <= n:
             _x16_pass(w, g * rb, nb, qtype, xq, k, xd, xsum, xoff, t, _X16_TOK, out, col + g)
             t += _X16_TOK
@@ -1190,22 +1204,40 @@ def _dot_rows_x16(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, 
         _rows_x16(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, Q8_0X16)
 
 
+def _rows_32_of(block, quad, nbytes, has_min, small):
+    """_rows_32 for one type, compiled apart: inlined at _dot_rows_32's six sites, the one
+    function was 150-180 s of _qmatvec's cold compile (numba's passes grow faster than a
+    function's size); apart, the six take ~35 s in all. A dispatcher passed as an argument to a
+    compiled function instead would keep _qmatvec out of the disk cache (a dynamic global)."""
+    @njit(fastmath=True)
+    def rows(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col):
+        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, block, quad, nbytes, has_min, small)
+    return rows
+
+
+# (..., has_min, small: quants < 32, which pmaddubsw takes without VNNI; see _group_32)
+_rows_q4_0 = _rows_32_of(_block_q4_0, _quad_q4_0, _NB_Q4_0, False, True)
+_rows_q4_1 = _rows_32_of(_block_q4_1, _quad_q4_1, _NB_Q4_1, True, True)
+_rows_q5_0 = _rows_32_of(_block_q5_0, _quad_q5_0, _NB_Q5_0, False, True)
+_rows_q5_1 = _rows_32_of(_block_q5_1, _quad_q5_1, _NB_Q5_1, True, True)
+_rows_q8_0 = _rows_32_of(_block_q8_0, _quad_q8_0, _NB_Q8_0, False, False)
+_rows_iq4_nl = _rows_32_of(_block_iq4_nl, _quad_iq4_nl, _NB_IQ4_NL, False, False)
+
+
 @njit(fastmath=True)
 def _dot_rows_32(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
-    # (..., has_min, small: quants < 32, which pmaddubsw takes without VNNI; see _group_32)
     if qtype == Q4_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_0, _quad_q4_0, _NB_Q4_0, False, True)
+        _rows_q4_0(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col)
     elif qtype == Q4_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q4_1, _quad_q4_1, _NB_Q4_1, True, True)
+        _rows_q4_1(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col)
     elif qtype == Q5_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_0, _quad_q5_0, _NB_Q5_0, False, True)
+        _rows_q5_0(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col)
     elif qtype == Q5_1:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q5_1, _quad_q5_1, _NB_Q5_1, True, True)
+        _rows_q5_1(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col)
     elif qtype == Q8_0:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_q8_0, _quad_q8_0, _NB_Q8_0, False, False)
+        _rows_q8_0(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col)
     else:
-        _rows_32(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col, _block_iq4_nl, _quad_iq4_nl, _NB_IQ4_NL, False,
-                 False)
+        _rows_iq4_nl(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col)
 
 
 @njit(fastmath=True)
