@@ -1240,26 +1240,37 @@ def _dot_rows_32(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, c
         _rows_iq4_nl(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col)
 
 
+def _rows_k_of(scales, pair, nbytes, off, has_min, dm_at, nib, wide):
+    """_rows_k for one type, compiled apart (as _rows_32_of)."""
+    @njit(fastmath=True)
+    def rows(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col):
+        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, scales, pair, nbytes, off, has_min, dm_at, nib, wide)
+    return rows
+
+
+# (..., has_min, dm_at: byte of dmin after d, nib: Q4_K / Q5_K's halves, wide: IQ4_XS; see _k_pass)
+_rows_q2_k = _rows_k_of(_scales_q2_k, _pair_q2_k, _NB_Q2_K, _OFF_Q2_K, True, 80, False, False)
+_rows_q3_k = _rows_k_of(_scales_q3_k, _pair_q3_k, _NB_Q3_K, _OFF_Q3_K, False, 0, False, False)
+_rows_q4_k = _rows_k_of(_scales_k4_dot, _quad_q4_k, _NB_Q4_K, _OFF_Q4_K, True, 0, True, False)
+_rows_q5_k = _rows_k_of(_scales_k4_dot, _quad_q5_k, _NB_Q5_K, _OFF_Q5_K, True, 0, True, False)
+_rows_q6_k = _rows_k_of(_scales_q6_k, _pair_q6_k, _NB_Q6_K, _OFF_Q6_K, False, 0, False, False)
+_rows_iq4_xs = _rows_k_of(_scales_iq4_xs, _half_iq4_xs, _NB_IQ4_XS, _OFF_IQ4_XS, False, 0, False, True)
+
+
 @njit(fastmath=True)
 def _dot_rows_k(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, col):
     if qtype == Q2_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q2_k, _pair_q2_k, _NB_Q2_K, _OFF_Q2_K, True, 80,
-                False, False)
+        _rows_q2_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col)
     elif qtype == Q3_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q3_k, _pair_q3_k, _NB_Q3_K, _OFF_Q3_K, False, 0,
-                False, False)
+        _rows_q3_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col)
     elif qtype == Q4_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q4_k, _NB_Q4_K, _OFF_Q4_K, True, 0,
-                True, False)
+        _rows_q4_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col)
     elif qtype == Q5_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_k4_dot, _quad_q5_k, _NB_Q5_K, _OFF_Q5_K, True, 0,
-                True, False)
+        _rows_q5_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col)
     elif qtype == Q6_K:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_q6_k, _pair_q6_k, _NB_Q6_K, _OFF_Q6_K, False, 0,
-                False, False)
+        _rows_q6_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col)
     else:
-        _rows_k(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col, _scales_iq4_xs, _half_iq4_xs, _NB_IQ4_XS, _OFF_IQ4_XS,
-                False, 0, False, True)
+        _rows_iq4_xs(w, rb, r0, r1, k, n, xq, xd, bsum, xoff, out, col)
 
 
 @njit(fastmath=True)
