@@ -1,9 +1,9 @@
 """Compile the CPU kernels a chat needs before its first prompt, behind a progress bar.
 
 kernels_cpu/ is numba code, compiled on first use and cached on disk (cache=True; the
-NUMBA_CACHE_DIR variable moves the cache). On a fresh install a chat needs ~38 CPU-seconds of
-compiling (bench/RESULTS.md), which used to be a silent pause before the first reply and a
-smaller one on a later turn (paths a first turn does not take). `prepare()` pays it up front
+NUMBA_CACHE_DIR variable moves the cache). On a fresh install a chat needs ~320 CPU-seconds of
+compiling on a 2-vCPU Zen 4 VM (bench/RESULTS.md), which used to be a silent pause before the
+first reply and a smaller one on a later turn (paths a first turn does not take). `prepare()` pays it up front
 when the disk cache lacks a kernel: the GROUPS below compile in worker processes side by side
 (a child writes the cache, this process reads it), then run here to load them, so that no
 turn compiles. With a warm cache it prints nothing and only runs the groups here, once per
@@ -32,13 +32,14 @@ import numpy as np
 from .kvcache import BatchLayer
 from .rope import plain
 
-# (name, what the bar calls it, estimated CPU-seconds to compile on the 2-vCPU test machine,
-# groups whose kernels it calls and should find cached). The estimates only pace the bar.
+# (name, what the bar calls it, CPU-seconds to compile on a 2-vCPU Zen 4 VM (2026-12-07), groups
+# whose kernels it calls and should find cached). The estimates only pace the bar; the longest
+# group goes first.
 GROUPS = (
-    ("matvec", "matvec", 12.0, ()),
-    ("attention", "attention", 13.0, ()),
-    ("prefill", "prefill", 9.0, ()),
-    ("block", "block", 4.0, ("matvec", "attention")),
+    ("matvec", "matvec", 185.0, ()),
+    ("attention", "attention", 30.0, ()),
+    ("prefill", "prefill", 63.0, ()),
+    ("block", "block", 37.0, ("matvec", "attention")),
 )
 # The disk-cached kernels the groups compile (module, function): one missing means a cold
 # start. tests/test_warmup.py keeps the list equal to what the groups really compile.
