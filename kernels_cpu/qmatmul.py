@@ -797,7 +797,7 @@ def _x16_store8(out, t, c, lo, hi):
 
 # Defined for the machine at import: numba types and inlines a branch that cannot run all the same,
 # and the AVX2 passes inlined at _rows_x16's three sites were half of _qmatvec's cold compile
-# where vpdpbusd makes them dead (bench/RESULTS.md, "Compile time").
+# where vpdpbusd makes them dead (bench/RESULTS.md, "a first start's compile").
 if PMADDUBSW_DOTS:
     @njit(fastmath=True, inline="always")
     def _x16_avx2_first(w, g0, nb, qtype, n, xq, k, xd, xsum, xoff, out, c):
@@ -1207,7 +1207,7 @@ def _dot_rows_x16(qtype, w, rb, r0, r1, k, n, x, xq, xd, xsum, bsum, xoff, out, 
 def _rows_32_of(block, quad, nbytes, has_min, small):
     """_rows_32 for one type, compiled apart: inlined at _dot_rows_32's six sites, the one
     function was 150-180 s of _qmatvec's cold compile (numba's passes grow faster than a
-    function's size); apart, the six take ~35 s in all. A dispatcher passed as an argument to a
+    function's size); apart, the six take ~60 s in all. A dispatcher passed as an argument to a
     compiled function instead would keep _qmatvec out of the disk cache (a dynamic global)."""
     @njit(fastmath=True)
     def rows(w, rb, r0, r1, k, n, xq, xd, xsum, xoff, out, col):
