@@ -5,10 +5,10 @@ NUMBA_CACHE_DIR variable moves the cache). On a fresh install a chat needs ~320 
 compiling on a 2-vCPU Zen 4 VM (bench/RESULTS.md), which used to be a silent pause before the
 first reply and a smaller one on a later turn (paths a first turn does not take). `prepare()`
 pays it up front when the disk cache lacks a kernel: the GROUPS below compile in worker
-processes side by side (a child writes the cache, this process reads it), then run here to load them, so that no
-turn compiles. With a warm cache it prints nothing and only runs the groups here, once per
-process: numba loads a cached kernel's machine code on its first call (~1 s for all of them,
-bench/RESULTS.md), which a new process's first prompt would otherwise pay.
+processes side by side (a child writes the cache, this process reads it), then run here to load
+them, so that no turn compiles. With a warm cache it prints nothing and only runs the groups
+here, once per process: numba loads a cached kernel's machine code on its first call (~1 s for
+all of them, bench/RESULTS.md), which a new process's first prompt would otherwise pay.
 
 The kernels' signatures do not depend on the model (quant types and cache kinds are run-time
 arguments), so the groups run on tiny synthetic weights and `edgekv warmup` needs no model;
