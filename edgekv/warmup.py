@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .kvcache import BatchLayer
+from .kvcache import BatchLayer, KVCache
 from .rope import plain
 
 # (name, what the bar calls it, CPU-seconds to compile on a 2-vCPU Zen 4 VM (2026-12-07), groups
@@ -56,7 +56,7 @@ KERNELS = (("qmatmul", "_qmatvec"), *_prefill_kernels(), ("qmatmul", "_dequant_r
            ("ops", "_silu_mul_serial"), ("ops", "_silu_mul_parallel"), ("ops", "_gelu_mul_serial"),
            ("ops", "_gelu_mul_parallel"), ("kvquant", "_store_core"), ("kvquant", "_kv_space_core"),
            ("kvquant", "_attn_core"), ("kvquant", "_decode_core"), ("kvquant", "_hadamard_serial"),
-           ("kvquant", "_hadamard_parallel"), ("block", "_block_core"), ("block", "_list_of"),
+           ("kvquant", "_hadamard_parallel"), ("block", "_block_core"), ("block", "_stack_core"), ("block", "_list_of"),
            ("block", "_list_push"), ("evict", "_score_update"),
            ("evict", "_choose"))
 _H, _HKV, _HD, _D, _FF = 2, 1, 64, 128, 256  # the synthetic model: heads, kv heads, head dim, width, ffn
@@ -83,8 +83,6 @@ def _weight(rows: int | tuple, k: int, rng, q4: bool = False):
 
 
 def _layer(kind: str = "int8", capacity: int = 16, evict: str = "window"):
-    from .kvcache import KVCache
-
     return KVCache([capacity], _HKV, _HD, n_sink=4, kind=kind, evict=evict)[0]
 
 
@@ -147,7 +145,8 @@ def _prefill(be, rng) -> None:
 
 def _block(be, rng) -> None:
     """A decode token through the fused block (kernels_cpu/block.py) over a filled ring, then
-    a batch of two (one compiled block serves every batch size)."""
+    a batch of two (one compiled block serves every batch size), then a token through a stack
+    of blocks (a model's every block in one call)."""
     ones = np.ones(_D, np.float32)
     pack = be.decoder_block(
         attn_norm=ones, qkv=_weight((_H * _HD, _HKV * _HD, _HKV * _HD), _D, rng), qkv_bias=None, q_norm=None, k_norm=None,
@@ -160,6 +159,11 @@ def _block(be, rng) -> None:
     other = _layer()
     _attend(be, other, rng, 0, 2)
     be.run_block(pack, _rand(rng, 2, _D), np.array([3, 2], np.int64), BatchLayer((kv, other), (0, 1, 2)))
+    cache = KVCache([16, 16], _HKV, _HD, n_sink=4, kind="int8")
+    for lk in cache.layers:
+        _attend(be, lk, rng, 0, 2)
+    if not be.run_stack(be.decoder_stack([pack, pack]), _rand(rng, 1, _D), np.array([2], np.int64), cache):
+        raise RuntimeError("warmup: the stacked decode step did not run")
 
 
 _RUN = {"matvec": _matvec, "attention": _attention, "prefill": _prefill, "block": _block}

@@ -23,6 +23,7 @@ in another type than q and k), written side by side.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import get_num_threads, njit, prange
 from numba.typed import List
@@ -203,6 +204,32 @@ def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layers: List, at
     _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, (freqs, neox, heads, mag), layers, ats,
                 (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, threads or get_num_threads()), softcap)
     return x
+
+
+def stack_pack(packs) -> List | None:
+    """Every block of a model (block_pack's, first to last) as one typed list for decode_stack;
+    None where they do not all type alike (the list holds one numba type)."""
+    kinds = {numba.typeof(p) for p in packs}
+    return cache_list(packs) if packs and len(kinds) == 1 else None
+
+
+def decode_stack(stack: List, x: np.ndarray, q_pos: np.ndarray, lists: List, ats: np.ndarray,
+                 threads: int | None = None) -> np.ndarray:
+    """One token through every block of `stack` (stack_pack's) in one call: block i as
+    decode_block(stack[i], x, q_pos, lists[i], ats[i], threads) does it, lists a typed list of
+    each layer's cache list (cache_list's), ats (n_layer, 1, 5) int64 each layer's plan. Between
+    two layers a 7B step streams ~110 MB of weights, which leaves the Python of a call per
+    layer (the cache's plan, numba's dispatch of the block's ~30 arrays) to run from cold caches:
+    ~80 us a layer there against ~10 warm, ~3 ms of an ~85 ms token (bench/RESULTS.md). Returns x."""
+    _stack_core(x, q_pos, stack, lists, ats, (KV_ATTN_PAR_MIN, KV_ATTN_SPLIT_MIN_KEYS, threads or get_num_threads()))
+    return x
+
+
+@njit(cache=True, error_model="numpy")
+def _stack_core(x, q_pos, stack, lists, ats, par):
+    for i in range(len(stack)):
+        W, N, dims, eps, (scale, res_scale, softcap), rope = stack[i]
+        _block_core(x, q_pos, W, N, dims, eps, scale, res_scale, rope, lists[i], ats[i], par, softcap)
 
 
 def cache_list(states) -> List:

@@ -139,6 +139,7 @@ class Model:
             post_ffw_norm=L.post_ffw_norm, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
             eps=cfg.norm_eps, scale=cfg.attn_scale, rope=L.rope)
             for L in self.layers]
+        self.stack = be.decoder_stack(self.blocks)  # all of them in one call a decode token
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, cache, last_only: bool = True) -> np.ndarray:
         """ids, pos: (n,) int64 -> logits (1 or n, n_vocab) float32; appends this batch's k/v to `cache`."""
@@ -147,8 +148,9 @@ class Model:
         H, Hkv, eps = cfg.n_head, cfg.n_head_kv, cfg.norm_eps
         x = be.embed(self.token_embd, ids)  # (n, n_embd), the residual stream
         x *= np.float32(np.sqrt(cfg.n_embd))
+        stacked = self.stack is not None and be.run_stack(self.stack, x, pos, cache)  # decode: every block
         for i, L in enumerate(self.layers):
-            if self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
+            if stacked or self.blocks[i] is not None and be.run_block(self.blocks[i], x, pos, cache[i]):
                 continue  # decode: the lines below in one call
             qkv = be.matmul(x, L.attn_qkv, pre="norm", pre_w=L.attn_norm, eps=eps)  # (n, qd + 2 kvd)
             qkv = qkv.reshape(n, H + 2 * Hkv, hd)  # heads: q, k, v

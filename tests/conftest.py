@@ -42,18 +42,21 @@ def open_model(key: str, device: str):
     return f, build_model(f, get_backend(device))
 
 
-def decode_logits(model, ids: list[int], cache, fused: bool, n_prefill: int) -> np.ndarray:
+def decode_logits(model, ids: list[int], cache, fused: bool, n_prefill: int, stacked: bool = True) -> np.ndarray:
     """Logits of ids[:n_prefill] prefilled, then of each later id fed one at a time, through
-    cache: with the model's fused decode blocks (fused) or its op-by-op code (blocks switched off)."""
-    saved = model.blocks
+    cache: with the model's fused decode blocks (fused; all of them in one call a token where the
+    backend stacks them, unless not stacked) or its op-by-op code (blocks switched off)."""
+    saved = model.blocks, model.stack
     if not fused:
-        model.blocks = [None] * len(saved)
+        model.blocks = [None] * len(saved[0])
+    if not (fused and stacked):
+        model.stack = None
     try:
         out = [model.forward(np.asarray(ids[:n_prefill]), np.arange(n_prefill), cache)]
         for p in range(n_prefill, len(ids)):
             out.append(model.forward(np.asarray(ids[p : p + 1]), np.array([p]), cache))
     finally:
-        model.blocks = saved
+        model.blocks, model.stack = saved
     return np.concatenate(out)
 
 

@@ -267,15 +267,18 @@ def test_ctrl_c_while_the_worker_runs_the_pass_leaves_every_sequence_whole(monke
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_ctrl_c_in_a_decode_step_waits_for_its_token(monkeypatch, batched):
-    # Ctrl-C in the middle of a decode step (here at its first layer's fused block) is held until
+    # Ctrl-C in the middle of a decode step (here at its first fused call: the stack of all
+    # blocks for one token, the first layer's block for a batch) is held until
     # the step's every layer has run, then raised: it never lands inside numba's dispatch of a
     # block (where it would surface as a TypeError), and the caches stay whole
     import signal
 
     llm = llm_for("llama", "cpu", "int8", 64)
-    be, inner, calls = llm.backend, llm.backend.blk.decode_block, []
+    be, calls = llm.backend, []
+    name = "decode_block" if batched else "decode_stack"  # one token alone: every block in one call
+    inner = getattr(be.blk, name)
 
-    def decode_block(pack, x, pos, layers, ats, threads=None):
+    def decode(pack, x, pos, layers, ats, threads=None):
         calls.append(len(layers))
         if len(calls) == 1:
             signal.raise_signal(signal.SIGINT)
@@ -284,7 +287,7 @@ def test_ctrl_c_in_a_decode_step_waits_for_its_token(monkeypatch, batched):
     caches = [llm.new_cache() for _ in range(2)]
     for j, c in enumerate(caches):
         llm.forward([1, 4 + j, 9], c, 0)
-    monkeypatch.setattr(be.blk, "decode_block", decode_block)
+    monkeypatch.setattr(be.blk, name, decode)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -294,7 +297,7 @@ def test_ctrl_c_in_a_decode_step_waits_for_its_token(monkeypatch, batched):
                 llm.forward([20], caches[0], 3)
     finally:
         signal.signal(signal.SIGINT, before)
-    assert len(calls) == llm.cfg.n_layer  # every layer, then the interrupt
+    assert len(calls) == (llm.cfg.n_layer if batched else 1)  # every layer, then the interrupt
     assert all(lk.n_written == 4 for c in caches[: 2 if batched else 1] for lk in c.layers)
 
 

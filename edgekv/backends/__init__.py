@@ -33,6 +33,11 @@ The operations (x float32, n = tokens in the batch):
   run_block(handle, x (1, d), pos (1,), kv) -> bool
       one token through that block, x updated in place, the same as the model's op-by-op code;
       False (nothing done) where it cannot (a batch, an empty cache): the model runs its ops
+  decoder_stack([handle of each block]) -> handle or None
+      every block of a model, prepared once for run_stack (None where any block is None)
+  run_stack(handle, x (1, d), pos (1,), cache) -> bool
+      one token through every block in one call, as run_block layer after layer; False
+      (nothing done) where it cannot (then the model goes layer by layer)
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import mmap
 import numpy as np
 
 from ..gguf_file import Tensor
-from ..kvcache import BatchLayer, LayerKV, Plan
+from ..kvcache import BatchLayer, KVCache, LayerKV, Plan
 from ..rope import Rope
 from .attention import AttentionStep
 from .threads import RUNNING, ThreadTuner
@@ -255,6 +255,7 @@ class CPUBackend(AttentionStep):
         self._local = threading.local()  # numba's thread count belongs to the calling thread
         self.ops, self.qm, self.kvq, self.blk, self.ev_kernels = ops, qmatmul, kvquant, block, evict
         self._groups: dict = {}  # tuple of LayerKV ids -> (their packs, typed list, weak refs): _group
+        self._stacks: dict = {}  # the same for the layers of a cache (run_stack)
         self._ats: tuple = (None, None)  # the last batch's plans and their (n, 5) array (run_block)
         self.batch_rows = qmatmul.SMALL_N  # the decode kernel's rows: each computed as if alone (LLM.forward_batch)
         mode = os.environ.get("EDGEKV_WEIGHTS", "auto")
@@ -365,6 +366,34 @@ class CPUBackend(AttentionStep):
             advance(lk, plan)
         return True
 
+    def decoder_stack(self, blocks: list):
+        """A model's blocks (decoder_block's, first to last) packed for run_stack; None where a
+        block is absent or their packs type apart (block.stack_pack)."""
+        if not blocks or any(b is None for b in blocks):
+            return None
+        return self.blk.stack_pack(blocks)
+
+    def run_stack(self, stack, x: np.ndarray, pos: np.ndarray, cache) -> bool:
+        """One token through every block of a model (decoder_stack's) in one call: what run_block
+        does layer after layer, the same bits, with the Python of all layers before and after
+        the kernels (block.decode_stack says why). False (nothing done) where it cannot: a prompt,
+        a batch, an empty cache, an eviction policy (its hooks run in each layer's turn)."""
+        if (stack is None or not isinstance(cache, KVCache) or pos.shape[0] != 1 or x.dtype != np.float32
+                or not x.flags.c_contiguous):
+            return False
+        layers = cache.layers
+        if not all(map(_WRITTEN, layers)) or cache.evict != "window":
+            return False
+        lists = self._group(layers, stacked=True)
+        if lists is None:
+            return False
+        plans = cache.decode_plans(pos)  # the window policy's: plain arithmetic, nothing changes
+        ats = np.array([(p.one_token + (p.shift,),) for p in plans], np.int64)  # (n_layer, 1, 5)
+        self.blk.decode_stack(stack, x, pos, lists, ats, _threads())
+        for lk, plan in zip(layers, plans):  # the kernel wrote the positions
+            lk.stored(plan)
+        return True
+
     def _layer(self, kv: LayerKV) -> tuple:
         """The cache's arrays packed for the one-call decode kernels (kvquant.kv_decode_layer), a
         key of their numba type (two packs with equal keys type alike) and the pack alone in a
@@ -376,25 +405,27 @@ class CPUBackend(AttentionStep):
             kv.backend_state = state, _type_key(state), self.blk.cache_list([state])
         return kv.backend_state
 
-    def _group(self, layers: tuple):
+    def _group(self, layers, stacked: bool = False):
         """One layer of a batch's caches as the typed list block.decode_block takes, kept while
         the same caches decode together (continuous batching's usual step): made anew it costs
-        ~10 us, a step's whole Python per layer. None where their packs type differently (the
-        kernel takes one numba type; every kind's packs type alike). An entry goes when one of its
-        layers is collected or its pack changed (a resize, a load); at most _GROUPS entries are
-        kept, so that packs of caches no batch uses any more are not held for long."""
-        key = tuple(map(id, layers))
-        got = self._groups.get(key)
+        ~10 us, a step's whole Python per layer. stacked: a cache's layers instead, as the typed
+        list of their own lists that block.decode_stack takes, kept for the cache's life. None
+        where their packs type differently (the kernel takes one numba type; every kind's packs
+        type alike). An entry goes when one of its layers is collected or its pack changed (a
+        resize, a load); at most _GROUPS entries are kept, so that packs of caches no batch uses
+        any more are not held for long."""
+        groups, key = self._stacks if stacked else self._groups, tuple(map(id, layers))
+        got = groups.get(key)
         if got is not None and all(map(operator.is_, got[0], map(_STATE, layers))):
             return got[1]
         states = [self._layer(lk) for lk in layers]
         if any(s[1] != states[0][1] for s in states):
             return None
-        if len(self._groups) >= _GROUPS:
-            self._groups.clear()
-        out = self.blk.cache_list([s[0] for s in states])
-        drop = lambda _ref, groups=self._groups, key=key: groups.pop(key, None)  # noqa: E731
-        self._groups[key] = (tuple(states), out, [weakref.ref(lk, drop) for lk in layers])
+        if len(groups) >= _GROUPS:
+            groups.clear()
+        out = self.blk.cache_list([s[2] if stacked else s[0] for s in states])
+        drop = lambda _ref, groups=groups, key=key: groups.pop(key, None)  # noqa: E731
+        groups[key] = (tuple(states), out, [weakref.ref(lk, drop) for lk in layers])
         return out
 
     # -- ops -------------------------------------------------------------------------

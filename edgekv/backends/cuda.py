@@ -260,6 +260,12 @@ class CUDABackend(AttentionStep):
     def run_block(self, pack, x, pos, kv) -> bool:
         return False
 
+    def decoder_stack(self, blocks) -> None:
+        return None
+
+    def run_stack(self, stack, x, pos, cache) -> bool:
+        return False
+
     def _w(self, w):
         if isinstance(w, _Placed):
             if w.handle is None:

@@ -129,6 +129,12 @@ class ReferenceBackend(AttentionStep):
     def run_block(self, pack, x, pos, kv) -> bool:
         return False
 
+    def decoder_stack(self, blocks) -> None:
+        return None
+
+    def run_stack(self, stack, x, pos, cache) -> bool:
+        return False
+
     def _w(self, t: Tensor) -> np.ndarray:
         if t.name not in self._dense:
             self._dense[t.name] = dequantize_tensor(t)
