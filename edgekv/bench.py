@@ -9,9 +9,10 @@ where other programs use the cores), so the two conditions are measured side by 
 
 A decode row's bandwidth figures: `bandwidth_share` against the machine's read bandwidth measured
 once at the end (the best 128 MiB read of a 1 GiB array), and `share_of_weights_read` against a
-plain read of the very weight arrays a decode step reads, one pass right after each rep
-(kernels_cpu.membw.read_pass): the ceiling at the moment of the rep, on hosts whose bandwidth
-moves minute to minute.
+plain read of the very weight arrays a decode step reads (kernels_cpu.membw.read_pass), one pass
+after each token of the rep, outside its timing: the ceiling at the moments of the tokens, on
+hosts whose bandwidth moves from second to second (one pass after a 3-second rep measured
+another moment: a 7B rep's share swung 0.66-0.96 from run to run, llama.cpp's alike).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class Row:
     kv_bytes: int = 0
     weight_bytes_per_token: int = 0
     peak_rss: int = 0
-    reads: list[float] = field(default_factory=list)  # bytes/s of a plain read of the weights after each rep (tg)
+    reads: list[float] = field(default_factory=list)  # bytes/s of plain reads of the weights between its tokens (tg)
 
     @property
     def mean(self) -> float:
@@ -198,16 +199,14 @@ class EdgekvRunner:
             self.filled = (depth, cache)
         return cache
 
-    def run(self, case: Case, rng: np.random.Generator) -> float:
+    def run(self, case: Case, rng: np.random.Generator, between=None) -> float:
         cache = self.at_depth(case.depth, rng)
         ids = rng.integers(0, self.vocab, case.n).tolist()
-        t = time.perf_counter()
         if case.test.startswith("pp"):
+            t = time.perf_counter()
             self.llm.forward(ids, cache, case.depth)
-        else:
-            for i in range(case.n):
-                self.llm.forward(ids[i : i + 1], cache, case.depth + i)
-        return case.n / (time.perf_counter() - t)
+            return case.n / (time.perf_counter() - t)
+        return _decode(lambda i: self.llm.forward(ids[i : i + 1], cache, case.depth + i), case.n, between)
 
 
 class LlamaCppRunner:
@@ -226,7 +225,7 @@ class LlamaCppRunner:
     def kv_bytes(self) -> int:
         return 0
 
-    def run(self, case: Case, rng: np.random.Generator) -> float:
+    def run(self, case: Case, rng: np.random.Generator, between=None) -> float:
         if self.filled == case.depth:
             self.llm.n_tokens = case.depth  # eval drops the cache from n_tokens on: back to the depth
         else:
@@ -235,13 +234,24 @@ class LlamaCppRunner:
                 self.llm.eval(rng.integers(0, self.vocab, case.depth).tolist())
             self.filled = case.depth
         ids = rng.integers(0, self.vocab, case.n).tolist()
-        t = time.perf_counter()
         if case.test.startswith("pp"):
+            t = time.perf_counter()
             self.llm.eval(ids)
-        else:
-            for i in range(case.n):
-                self.llm.eval(ids[i : i + 1])
-        return case.n / (time.perf_counter() - t)
+            return case.n / (time.perf_counter() - t)
+        return _decode(lambda i: self.llm.eval(ids[i : i + 1]), case.n, between)
+
+
+def _decode(step, n: int, between) -> float:
+    """Tokens/s of step(0) .. step(n - 1), one decode token each; between() (when given) runs after
+    each, outside the timing."""
+    spent = 0.0
+    for i in range(n):
+        t = time.perf_counter()
+        step(i)
+        spent += time.perf_counter() - t
+        if between is not None:
+            between()
+    return n / spent
 
 
 class BackgroundLoad:
@@ -305,16 +315,13 @@ def _run_setup(runners, tests, reps, bg, bar, rng, wbytes) -> list[Row]:
             for c in group if rep else group[:1]:
                 with bg.rep(c.load > 0):
                     for r, row in zip(runners, row_set[c.load]):
-                        tps = r.run(c, rng)
+                        # a decode's ceiling at its moments: the same bytes read plainly after each
+                        # token (a host's bandwidth moves; one figure at the end is another moment)
+                        read = rep and c.test.startswith("tg") and reader is not None
+                        tps = r.run(c, rng, (lambda row=row: row.reads.append(reader.read_weights())) if read else None)
                         if rep:
                             row.samples.append(tps)
                         bar.update(1 if rep else len(group))
-                    if rep and c.test.startswith("tg") and reader is not None:
-                        # the decode's ceiling at this moment: the same bytes read plainly, right after
-                        # (a host's bandwidth moves minute to minute; one figure at the end is another moment)
-                        bw = reader.read_weights()
-                        for row in row_set[c.load]:
-                            row.reads.append(bw)
         for rs in row_set.values():
             for row in rs:
                 row.peak_rss = peak_rss_bytes()
@@ -395,7 +402,7 @@ def to_records(result: dict) -> list[dict]:
         if c.test.startswith("tg"):
             gbs = row.weight_bytes_per_token * row.mean / 1e9
             rec.update(weight_gb_per_s=round(gbs, 2), bandwidth_share=round(gbs * 1e9 / bw, 3))
-            if row.reads:  # against plain reads of the same weights, one after each of its reps
+            if row.reads:  # against plain reads of the same weights, one after each of its tokens
                 read = statistics.fmean(row.reads)
                 rec.update(weights_read_gb_per_s=round(read / 1e9, 2), share_of_weights_read=round(gbs * 1e9 / read, 3))
         rec.update(kv_mib=round(row.kv_bytes / 2**20, 1), peak_rss_mib=round(row.peak_rss / 2**20, 1))

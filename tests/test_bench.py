@@ -145,9 +145,9 @@ def test_compare_runs_the_runtimes_in_turn_when_both_do_not_fit(tmp_path, monkey
                 super().__init__(*a, **kw)
                 alive.add(self)
 
-            def run(self, case, rng):
+            def run(self, case, rng, between=None):
                 seen.append((self.name, len(alive)))
-                return super().run(case, rng)
+                return super().run(case, rng, between)
         return Tracked
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
