@@ -12,7 +12,8 @@ once at the end (the best 128 MiB read of a 1 GiB array), and `share_of_weights_
 plain read of the very weight arrays a decode step reads (kernels_cpu.membw.read_pass), one pass
 after each token of the rep, outside its timing: the ceiling at the moments of the tokens, on
 hosts whose bandwidth moves from second to second (one pass after a 3-second rep measured
-another moment: a 7B rep's share swung 0.66-0.96 from run to run, llama.cpp's alike).
+another moment: a 7B rep's share swung 0.66-0.96 from run to run, llama.cpp's alike). The share
+is the reads' total time over the tokens' (their rates' harmonic means).
 """
 from __future__ import annotations
 
@@ -403,8 +404,11 @@ def to_records(result: dict) -> list[dict]:
             gbs = row.weight_bytes_per_token * row.mean / 1e9
             rec.update(weight_gb_per_s=round(gbs, 2), bandwidth_share=round(gbs * 1e9 / bw, 3))
             if row.reads:  # against plain reads of the same weights, one after each of its tokens
-                read = statistics.fmean(row.reads)
-                rec.update(weights_read_gb_per_s=round(read / 1e9, 2), share_of_weights_read=round(gbs * 1e9 / read, 3))
+                # rates combined by their times (harmonic means): the reads' total time over the
+                # tokens' total time, whatever minute each rep fell in
+                read = statistics.harmonic_mean(row.reads)
+                tokens = row.weight_bytes_per_token * statistics.harmonic_mean(row.samples)
+                rec.update(weights_read_gb_per_s=round(read / 1e9, 2), share_of_weights_read=round(tokens / read, 3))
         rec.update(kv_mib=round(row.kv_bytes / 2**20, 1), peak_rss_mib=round(row.peak_rss / 2**20, 1))
         ref = base.get((c.name, c.kv, c.threads, c.auto, c.load))
         if ref and row.runtime == "edgekv":
