@@ -23,7 +23,6 @@ in another type than q and k), written side by side.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import get_num_threads, njit, prange
 from numba.typed import List
@@ -206,17 +205,11 @@ def decode_block(pack: tuple, x: np.ndarray, q_pos: np.ndarray, layers: List, at
     return x
 
 
-def stack_pack(packs) -> List | None:
-    """Every block of a model (block_pack's, first to last) as one typed list for decode_stack;
-    None where they do not all type alike (the list holds one numba type)."""
-    kinds = {numba.typeof(p) for p in packs}
-    return cache_list(packs) if packs and len(kinds) == 1 else None
-
-
 def decode_stack(stack: List, x: np.ndarray, q_pos: np.ndarray, lists: List, ats: np.ndarray,
                  threads: int | None = None) -> np.ndarray:
-    """One token through every block of `stack` (stack_pack's) in one call: block i as
-    decode_block(stack[i], x, q_pos, lists[i], ats[i], threads) does it, lists a typed list of
+    """One token through every block of `stack` (block_pack's packs of one numba type, as
+    cache_list's typed list) in one call: block i as decode_block(stack[i], x, q_pos, lists[i],
+    ats[i], threads) does it, lists a typed list of
     each layer's cache list (cache_list's), ats (n_layer, 1, 5) int64 each layer's plan. Between
     two layers a 7B step streams ~110 MB of weights, which leaves the Python of a call per
     layer (the cache's plan, numba's dispatch of the block's ~30 arrays) to run from cold caches:
@@ -233,9 +226,10 @@ def _stack_core(x, q_pos, stack, lists, ats, par):
 
 
 def cache_list(states) -> List:
-    """Layers' caches (kvquant.kv_decode_layer packs of one numba type) as the typed list
-    decode_block takes: a call receives it as one object, where a tuple of caches costs ~2 us a
-    cache to unpack at every call (bench/RESULTS.md). Made in compiled code (a typed list made
+    """Packs of one numba type (layers' caches, kvquant.kv_decode_layer's; or blocks,
+    block_pack's) as the typed list decode_block and decode_stack take: a call receives it as
+    one object, where a tuple of caches costs ~2 us a cache to unpack at every call
+    (bench/RESULTS.md). Made in compiled code (a typed list made
     from Python costs ~300 us); made once and kept by the caller."""
     out = _list_of(states[0])
     for s in states[1:]:

@@ -368,10 +368,10 @@ class CPUBackend(AttentionStep):
 
     def decoder_stack(self, blocks: list):
         """A model's blocks (decoder_block's, first to last) packed for run_stack; None where a
-        block is absent or their packs type apart (block.stack_pack)."""
-        if not blocks or any(b is None for b in blocks):
+        block is absent or their packs type apart (a typed list holds one numba type)."""
+        if not blocks or any(b is None for b in blocks) or len({_type_key(b) for b in blocks}) != 1:
             return None
-        return self.blk.stack_pack(blocks)
+        return self.blk.cache_list(blocks)
 
     def run_stack(self, stack, x: np.ndarray, pos: np.ndarray, cache) -> bool:
         """One token through every block of a model (decoder_stack's) in one call: what run_block
