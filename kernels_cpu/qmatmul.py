@@ -78,10 +78,11 @@ f32, i16, i32 = np.float32, np.int16, np.int32
 
 # Compile time: numba's own inlining (inline="always") copies and retypes a function's IR at each
 # call site, and a decode row function inlines the same small dot step dozens of times (tokens x
-# halves x tile sizes x types). The X16 rows' leaf steps (_x16_token, _x16_half) are plain
-# functions: compiled once, inlined by LLVM all the same (no slower in bench/kernels-style
-# timings); _qmatvec's cold compile went from 257 s to 116 s (bench/RESULTS.md). The 32-element
-# steps stay inline: as plain functions (103 s) Q5_1's batched tokens lost their one-token bits.
+# halves x tile sizes x types). The X16 rows' leaf steps (_x16_token, _x16_half, AVX2's
+# _x16_q8_rows8 and _x16_nib_rows8) are plain functions: compiled once, inlined by LLVM all the
+# same (no slower in bench/kernels-style timings); _qmatvec's cold compile went from 257 s to
+# 116 s (bench/RESULTS.md). The 32-element steps stay inline: as plain functions (103 s) Q5_1's
+# batched tokens lost their one-token bits.
 
 
 # Prefill on integer products where vpdpbusd exists; without it (AVX2) for the types whose quants
@@ -718,12 +719,15 @@ def _x16_q8_pair(w, g0, nb, xq, k, xd, xoff, t, out, c):
     _x16_store8(out, t + 1, c, vadd(a1, c1), vadd(b1, d1))
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True)
 def _x16_nib_rows8(w, o, h, r, has_min, xq, k, xd, xsum, xoff, t, nb, b, f0, f1, f2, f3):
     """AVX2, Q4_0X16 / Q4_1X16 (has_min): f0 .. f3 + rows 8r .. 8r + 7 of block b (= h of the unit
     at byte o) for tokens t .. t + 3: the block's 8 unpacked ymm (8 rows each) held for the 4
     tokens, each token's pmaddubsw added in int16 and one pmaddwd (as _dots32), then _x16_token's
-    float steps: the same bits per row."""
+    float steps: the same bits per row. A plain function, as _x16_q8_rows8: inlined by numba at
+    _x16_nib_quads' 4 sites (and those at _rows_x16's 3), its 16 token steps a site were ~480 of
+    _qmatvec's ~770 CPU-s of cold compile on AVX2; LLVM inlines it all the same (the same speed and
+    bits, bench/RESULTS.md)."""
     qb = x16_geometry(Q4_0X16)[0]  # (Q4_1X16's too)
     sc, q = x16_at(o, h, qb, has_min)
     sc, q = sc + 16 * r, q + 32 * r
