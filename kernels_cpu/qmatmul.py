@@ -724,8 +724,8 @@ def _x16_nib_rows8(w, o, h, r, has_min, xq, k, xd, xsum, xoff, t, nb, b, f0, f1,
     """AVX2, Q4_0X16 / Q4_1X16 (has_min): f0 .. f3 + rows 8r .. 8r + 7 of block b (= h of the unit
     at byte o) for tokens t .. t + 3: the block's 8 unpacked ymm (8 rows each) held for the 4
     tokens, each token's pmaddubsw added in int16 and one pmaddwd (as _dots32), then _x16_token's
-    float steps: the same bits per row. A plain function, as _x16_q8_rows8: inlined by numba at
-    _x16_nib_quads' 4 sites (and those at _rows_x16's 3), its 16 token steps a site were ~480 of
+    float steps: the same bits per row. A plain function, as _x16_q8_rows8: inlined by numba, its 4
+    token steps at _x16_nib_quads' 4 sites, each inlined at _rows_x16's 3 (48 steps), were ~480 of
     _qmatvec's ~770 CPU-s of cold compile on AVX2; LLVM inlines it all the same (the same speed and
     bits, bench/RESULTS.md)."""
     qb = x16_geometry(Q4_0X16)[0]  # (Q4_1X16's too)
